@@ -1,0 +1,28 @@
+// Raw MPI collectives on host buffers, cut into calls of at most
+// `chunk_bytes` (which also keeps every MPI count below 2^31).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mpi_context.h"
+
+namespace tfmpi {
+
+class Collectives {
+ public:
+  Collectives(const MpiContext* mpi, int64_t chunk_bytes) : mpi_(mpi), chunk_bytes_(chunk_bytes) {}
+
+  // out = reduce(in) over ranks; in == nullptr or in == out reduces in place.
+  void Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) const;
+  // Concatenates each rank's rows; rows_per_rank[r] rows of row_bytes bytes.
+  void Allgather(const void* in, void* out, const std::vector<int64_t>& rows_per_rank,
+                 int64_t row_bytes) const;
+  void Broadcast(void* buf, int64_t bytes, int root) const;
+
+ private:
+  const MpiContext* mpi_;
+  int64_t chunk_bytes_;
+};
+
+}  // namespace tfmpi

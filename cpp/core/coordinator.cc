@@ -1,0 +1,163 @@
+#include "coordinator.h"
+
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "logging.h"
+
+namespace tfmpi {
+
+namespace {
+std::string RankList(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  return os.str();
+}
+template <typename P>
+const RequestMeta& AnyMeta(const P& p) {
+  for (const auto& m : p.by_rank) if (m) return *m;
+  throw std::logic_error("pending entry without announcements");
+}
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+}  // namespace
+
+void Coordinator::AnnounceCached(int rank, uint32_t cache_id, Clock::time_point now) {
+  const Response& r = cache_->Get(cache_id);
+  RequestMeta meta = r.meta;
+  // Allgather: this rank's own first dimensions, as recorded in the cache.
+  for (size_t t = 0; t < r.dim0.size(); ++t) meta.tensors[t].shape[0] = r.dim0[t][rank];
+  Announce(rank, std::move(meta), now);
+}
+
+void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
+  const std::string name = meta.name;
+  if (departed_count_ > 0) {
+    std::vector<int> gone;
+    for (int r = 0; r < size_; ++r) if (departed_[r]) gone.push_back(r);
+    Fail(name, "tf_mpi: " + std::string(CollectiveName(meta.type)) + " '" + name + "' cannot complete: " +
+                   RankList(gone) + " already called shutdown()");
+    return;
+  }
+  Pending& p = pending_[name];
+  if (p.by_rank.empty()) {
+    p.by_rank.resize(size_);
+    p.first_seen = p.last_warned = now;
+  }
+  if (p.by_rank[rank]) {
+    // The worker refuses duplicates locally, so this means a protocol bug.
+    LogError("rank " + std::to_string(rank) + " announced '" + name + "' twice");
+    return;
+  }
+  p.by_rank[rank] = std::move(meta);
+  if (++p.count == size_) {
+    Decide(name, p);
+    pending_.erase(name);
+  }
+}
+
+void Coordinator::Decide(const std::string& name, Pending& p) {
+  const RequestMeta& ref = *p.by_rank[0];
+  // Agreement: report the first field on which any rank differs from rank 0,
+  // with every rank's value, grouped.
+  for (int r = 1; r < size_; ++r) {
+    std::string field = FirstDifference(ref, *p.by_rank[r]);
+    if (field.empty()) continue;
+    std::map<std::string, std::vector<int>> groups;
+    for (int q = 0; q < size_; ++q) groups[FieldValue(*p.by_rank[q], field)].push_back(q);
+    std::ostringstream os;
+    os << "tf_mpi: mismatched " << CollectiveName(ref.type) << " '" << name << "' across ranks: " << field
+       << " differs:";
+    for (const auto& [value, ranks] : groups) os << " " << RankList(ranks) << ": " << value << ";";
+    Fail(name, os.str());
+    return;
+  }
+  if (ref.type == CollectiveType::kBroadcast && (ref.root < 0 || ref.root >= size_)) {
+    Fail(name, "tf_mpi: broadcast '" + name + "': root rank " + std::to_string(ref.root) +
+                   " is out of range for " + std::to_string(size_) + " ranks");
+    return;
+  }
+  Decision d;
+  d.response.meta = ref;
+  if (ref.type == CollectiveType::kAllgather) {
+    d.response.dim0.assign(ref.tensors.size(), std::vector<int64_t>(size_));
+    for (size_t t = 0; t < ref.tensors.size(); ++t)
+      for (int r = 0; r < size_; ++r) d.response.dim0[t][r] = p.by_rank[r]->tensors[t].shape[0];
+  }
+  if (auto id = cache_->Find(d.response)) {
+    d.kind = Decision::Kind::kExecuteCached;
+    d.cache_id = *id;
+  } else {
+    d.kind = Decision::Kind::kExecute;
+  }
+  decisions_.push_back(std::move(d));
+}
+
+void Coordinator::Fail(const std::string& name, const std::string& why) {
+  Decision d;
+  d.kind = Decision::Kind::kError;
+  d.response.kind = Response::Kind::kError;
+  d.response.meta.name = name;
+  d.response.error = why;
+  decisions_.push_back(std::move(d));
+}
+
+void Coordinator::Departed(int rank) {
+  if (!departed_[rank]) {
+    departed_[rank] = true;
+    ++departed_count_;
+  }
+  for (auto& [name, p] : pending_)
+    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: rank " + std::to_string(rank) +
+                   " called shutdown()");
+  pending_.clear();
+  Decision ack;
+  ack.kind = Decision::Kind::kShutdownAck;
+  ack.rank = rank;
+  decisions_.push_back(std::move(ack));
+}
+
+std::vector<Decision> Coordinator::TakeDecisions() {
+  std::vector<Decision> out;
+  out.swap(decisions_);
+  return out;
+}
+
+std::string Coordinator::Ranks(const Pending& p, bool announced) const {
+  std::vector<int> ranks;
+  for (int r = 0; r < size_; ++r)
+    if (static_cast<bool>(p.by_rank[r]) == announced) ranks.push_back(r);
+  return RankList(ranks);
+}
+
+void Coordinator::CheckStalls(Clock::time_point now) {
+  if (stall_warn_s_ <= 0 && stall_shutdown_s_ <= 0) return;
+  std::ostringstream warn;
+  std::vector<std::string> expired;
+  for (auto& [name, p] : pending_) {
+    const double waited = Seconds(now - p.first_seen);
+    if (stall_shutdown_s_ > 0 && waited >= stall_shutdown_s_) {
+      expired.push_back(name);
+    } else if (stall_warn_s_ > 0 && Seconds(now - p.last_warned) >= stall_warn_s_) {
+      p.last_warned = now;
+      warn << "\n  '" << name << "' (" << CollectiveName(AnyMeta(p).type)
+           << "): ready on " << Ranks(p, true) << ", waiting on " << Ranks(p, false) << " for "
+           << static_cast<int>(waited) << " s";
+    }
+  }
+  if (!warn.str().empty())
+    LogWarning("stalled collectives: some ranks submitted these and others did not." + warn.str() +
+               "\n  This usually means ranks run different code paths or different numbers of steps."
+               " Set TF_MPI_STALL_SHUTDOWN_TIME_SECONDS to fail such ops instead of waiting.");
+  for (const std::string& name : expired) {
+    const Pending& p = pending_.at(name);
+    Fail(name, "tf_mpi: collective '" + name + "' stalled for " +
+                   std::to_string(static_cast<int>(Seconds(now - p.first_seen))) + " s: ready on " + Ranks(p, true) +
+                   ", never submitted by " + Ranks(p, false) + " (TF_MPI_STALL_SHUTDOWN_TIME_SECONDS)");
+    LogError(decisions_.back().response.error);
+    pending_.erase(name);
+  }
+}
+
+}  // namespace tfmpi

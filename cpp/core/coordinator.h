@@ -1,0 +1,64 @@
+// Rank 0's bookkeeping: which rank has announced which collective, when a
+// collective is ready on every rank, whether the ranks agree on it, and which
+// collectives are stalled (announced by some ranks, not by others).
+//
+// Rank 0 alone decides the order in which ready collectives run; every rank
+// then executes the same decisions in the same order, so MPI calls match even
+// though TensorFlow schedules ops differently on each rank.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "request.h"
+#include "response_cache.h"
+#include "wire.h"
+
+namespace tfmpi {
+
+using Clock = std::chrono::steady_clock;
+
+class Coordinator {
+ public:
+  Coordinator(int size, const ResponseCache* cache, double stall_warn_s, double stall_shutdown_s)
+      : size_(size), cache_(cache), departed_(size, false),
+        stall_warn_s_(stall_warn_s), stall_shutdown_s_(stall_shutdown_s) {}
+
+  // `rank` announced `meta`.
+  void Announce(int rank, RequestMeta meta, Clock::time_point now);
+  // `rank` announced a request by cache id.
+  void AnnounceCached(int rank, uint32_t cache_id, Clock::time_point now);
+  // `rank` is shutting down: what waits on it fails, it gets an acknowledgement.
+  void Departed(int rank);
+
+  // Decisions made since the last call, in execution order.
+  std::vector<Decision> TakeDecisions();
+  bool HasPending() const { return !pending_.empty(); }
+  // Warns about (and past the shutdown time, fails) collectives that some
+  // ranks announced long ago and others not at all.
+  void CheckStalls(Clock::time_point now);
+
+ private:
+  struct Pending {
+    std::vector<std::optional<RequestMeta>> by_rank;
+    int count = 0;
+    Clock::time_point first_seen;
+    Clock::time_point last_warned;
+  };
+  void Decide(const std::string& name, Pending& p);
+  void Fail(const std::string& name, const std::string& why);
+  std::string Ranks(const Pending& p, bool announced) const;
+
+  int size_;
+  const ResponseCache* cache_;
+  std::vector<bool> departed_;
+  int departed_count_ = 0;
+  double stall_warn_s_, stall_shutdown_s_;
+  std::unordered_map<std::string, Pending> pending_;
+  std::vector<Decision> decisions_;
+};
+
+}  // namespace tfmpi

@@ -1,0 +1,312 @@
+#include "engine.h"
+
+#include <cstdlib>
+#include <list>
+
+#include "coordinator.h"
+#include "executor.h"
+#include "logging.h"
+#include "response_cache.h"
+#include "wire.h"
+
+namespace tfmpi {
+
+namespace {
+
+constexpr int kTagAnnounce = 7101;
+constexpr int kTagDecide = 7102;
+
+// Keeps non-blocking sends' buffers alive until MPI has finished with them.
+class Outbox {
+ public:
+  void Send(MPI_Comm comm, int dest, int tag, std::shared_ptr<std::vector<char>> bytes) {
+    msgs_.push_back({std::move(bytes), MPI_REQUEST_NULL});
+    auto& m = msgs_.back();
+    MPI_Isend(m.bytes->data(), static_cast<int>(m.bytes->size()), MPI_BYTE, dest, tag, comm, &m.req);
+  }
+  void Reap() {
+    for (auto it = msgs_.begin(); it != msgs_.end();) {
+      int done = 0;
+      MPI_Test(&it->req, &done, MPI_STATUS_IGNORE);
+      it = done ? msgs_.erase(it) : std::next(it);
+    }
+  }
+  // At exit: give peers a moment to take our last messages, never forever.
+  void Drain(Clock::duration limit) {
+    const auto deadline = Clock::now() + limit;
+    while (!msgs_.empty() && Clock::now() < deadline) {
+      Reap();
+      std::this_thread::yield();
+    }
+  }
+ private:
+  struct Msg { std::shared_ptr<std::vector<char>> bytes; MPI_Request req; };
+  std::list<Msg> msgs_;
+};
+
+bool TryReceive(MPI_Comm comm, int source, int tag, std::vector<char>* bytes, int* from) {
+  int flag = 0;
+  MPI_Status st;
+  MPI_Iprobe(source, tag, comm, &flag, &st);
+  if (!flag) return false;
+  int n = 0;
+  MPI_Get_count(&st, MPI_BYTE, &n);
+  bytes->resize(n);
+  MPI_Recv(bytes->data(), n, MPI_BYTE, st.MPI_SOURCE, tag, comm, MPI_STATUS_IGNORE);
+  *from = st.MPI_SOURCE;
+  return true;
+}
+
+void FailAll(InFlight* in_flight, const std::string& why) {
+  for (auto& [name, r] : *in_flight) r->done(Status::Aborted(why));
+  in_flight->clear();
+}
+
+}  // namespace
+
+Engine& Engine::Get() {
+  // Leaked on purpose: a static destructor would run after MPI_Finalize and
+  // while TensorFlow threads may still hold callbacks.
+  static Engine* engine = new Engine();
+  return *engine;
+}
+
+Status Engine::Init(const InitOptions& opts) {
+  if (initialized_) return Status::OK();
+  try {
+    config_ = EngineConfig::FromEnv();
+  } catch (const std::exception& e) {
+    return Status::Invalid(e.what());
+  }
+  Status s = mpi_.Init(opts);
+  if (!s.ok()) return s;
+  SetLogRank(mpi_.rank());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_requested_ = false;
+  }
+  initialized_ = true;
+  thread_ = std::thread([this] { Loop(); });
+  return Status::OK();
+}
+
+void Engine::Shutdown() {
+  if (!initialized_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_requested_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  mpi_.Release();
+  initialized_ = false;
+}
+
+void Engine::Finalize() {
+  Get().Shutdown();
+  MpiContext::FinalizeIfOwned();
+}
+
+void Engine::Abort(int code) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+Status Engine::Validate(const Request& r) const {
+  const RequestMeta& m = r.meta;
+  const std::string what = std::string(CollectiveName(m.type)) + " '" + m.name + "'";
+  if (m.name.empty()) return Status::Invalid("tf_mpi: every collective needs a name");
+  if (m.tensors.empty()) return Status::Invalid("tf_mpi: " + what + " has no tensors");
+  if (r.inputs.size() != m.tensors.size())
+    return Status::Invalid("tf_mpi: " + what + ": inputs do not match tensors");
+  for (const TensorMeta& t : m.tensors) {
+    if (t.dtype >= DataType::kNumTypes) return Status::Invalid("tf_mpi: " + what + ": unsupported dtype");
+    if (m.type == CollectiveType::kAllreduce && t.dtype == DataType::kBool)
+      return Status::Invalid("tf_mpi: " + what + ": allreduce does not support bool tensors");
+    if (m.type == CollectiveType::kAllgather && t.shape.empty())
+      return Status::Invalid("tf_mpi: " + what + ": allgather needs tensors with at least one dimension");
+  }
+  if (m.type == CollectiveType::kAllreduce && m.op == ReduceOp::kAdasum)
+    return Status::Invalid("tf_mpi: Adasum is not implemented yet; use Average or Sum");
+  if (m.type != CollectiveType::kAllgather && r.outputs.size() != m.tensors.size())
+    return Status::Invalid("tf_mpi: " + what + ": outputs do not match tensors");
+  if (m.type == CollectiveType::kAllgather && !r.allocate)
+    return Status::Invalid("tf_mpi: " + what + ": no output allocator");
+  if (m.type == CollectiveType::kBroadcast && (m.root < 0 || m.root >= mpi_.size()))
+    return Status::Invalid("tf_mpi: " + what + ": root rank " + std::to_string(m.root) + " is out of range for " +
+                           std::to_string(mpi_.size()) + " ranks");
+  return Status::OK();
+}
+
+Status Engine::Enqueue(std::unique_ptr<Request> r) {
+  if (!initialized_)
+    return Status::Precondition("tf_mpi has not been initialized; call tf_mpi.init() first");
+  Status s = Validate(*r);
+  if (!s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_requested_) return Status::Precondition("tf_mpi has been shut down");
+    queue_.push_back(std::move(r));
+  }
+  cv_.notify_one();
+  return Status::OK();
+}
+
+void Engine::Loop() {
+  const int rank = mpi_.rank();
+  const int size = mpi_.size();
+  const MPI_Comm comm = mpi_.comm();
+  ResponseCache cache(static_cast<size_t>(config_.cache_capacity));
+  std::unique_ptr<Coordinator> coord;
+  if (rank == 0) coord = std::make_unique<Coordinator>(size, &cache, config_.stall_check_s, config_.stall_shutdown_s);
+  Executor executor(&mpi_, config_);
+  InFlight in_flight;
+  Outbox outbox;
+  bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving
+  bool coordinator_gone = false;
+  bool done = false;
+  Clock::time_point last_activity = Clock::now();
+  Clock::time_point last_stall_check = last_activity;
+  std::vector<char> bytes;
+
+  // Runs one batch of decisions exactly as rank 0 ran it (fusion plans depend
+  // on batch boundaries, so batches are never merged).
+  auto run_batch = [&](const std::vector<Decision>& decisions) {
+    for (const Decision& d : decisions) {
+      if (d.kind == Decision::Kind::kCoordinatorGone) coordinator_gone = true;
+      if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank) done = true;
+    }
+    if (!executor.Run(decisions, &in_flight, &cache)) Abort(1);
+    if (coordinator_gone) {
+      FailAll(&in_flight, "tf_mpi: rank 0 called shutdown(); no more collectives can run");
+      if (stop_announced) done = true;
+    }
+  };
+
+  while (!done) {
+    bool progressed = false;
+    std::deque<std::unique_ptr<Request>> fresh;
+    bool stop_requested;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fresh.swap(queue_);
+      stop_requested = stop_requested_;
+    }
+    const Clock::time_point now = Clock::now();
+
+    // 1. Announce what callers submitted.
+    std::vector<Announcement> outgoing;
+    for (auto& r : fresh) {
+      progressed = true;
+      const std::string name = r->meta.name;
+      if (coordinator_gone) {
+        r->done(Status::Aborted("tf_mpi: rank 0 called shutdown(); no more collectives can run"));
+        continue;
+      }
+      if (in_flight.count(name)) {
+        r->done(Status::Invalid("tf_mpi: a collective named '" + name +
+                                "' is already in flight on this rank; concurrent collectives need distinct names"));
+        continue;
+      }
+      Announcement a;
+      if (auto id = cache.Lookup(r->meta, rank)) {
+        a.kind = Announcement::Kind::kCached;
+        a.cache_id = *id;
+      } else {
+        a.meta = r->meta;
+      }
+      in_flight.emplace(name, std::move(r));
+      if (rank != 0) {
+        outgoing.push_back(std::move(a));
+      } else if (a.kind == Announcement::Kind::kCached) {
+        coord->AnnounceCached(0, a.cache_id, now);
+      } else {
+        coord->Announce(0, std::move(a.meta), now);
+      }
+    }
+    if (stop_requested && !stop_announced) {
+      stop_announced = progressed = true;
+      if (rank != 0) {
+        if (coordinator_gone) done = true;
+        else outgoing.push_back({Announcement::Kind::kShutdown, {}, 0});
+      }
+    }
+    if (!outgoing.empty())
+      outbox.Send(comm, 0, kTagAnnounce, std::make_shared<std::vector<char>>(Encode(outgoing)));
+
+    // 2. Rank 0 decides; workers receive decisions. Everyone executes them.
+    if (rank == 0) {
+      int from = 0;
+      std::vector<Announcement> items;
+      while (TryReceive(comm, MPI_ANY_SOURCE, kTagAnnounce, &bytes, &from)) {
+        progressed = true;
+        Decode(bytes, &items);
+        for (Announcement& a : items) {
+          if (a.kind == Announcement::Kind::kFull) coord->Announce(from, std::move(a.meta), now);
+          else if (a.kind == Announcement::Kind::kCached) coord->AnnounceCached(from, a.cache_id, now);
+          else coord->Departed(from);
+        }
+      }
+      if (now - last_stall_check > std::chrono::seconds(1)) {
+        coord->CheckStalls(now);
+        last_stall_check = now;
+      }
+      std::vector<Decision> decisions = coord->TakeDecisions();
+      if (stop_announced) decisions.push_back({Decision::Kind::kCoordinatorGone, 0, {}, -1});
+      if (!decisions.empty()) {
+        progressed = true;
+        auto encoded = std::make_shared<std::vector<char>>(Encode(decisions));
+        for (int w = 1; w < size; ++w) outbox.Send(comm, w, kTagDecide, encoded);
+        run_batch(decisions);
+        if (stop_announced) done = true;
+      }
+    } else {
+      int from = 0;
+      std::vector<Decision> decisions;
+      while (!done && TryReceive(comm, 0, kTagDecide, &bytes, &from)) {
+        progressed = true;
+        Decode(bytes, &decisions);
+        run_batch(decisions);
+      }
+    }
+    outbox.Reap();
+    if (done) break;
+
+    // 3. Wait for work without a fixed cycle: spin briefly after activity
+    // (steady-state steps arrive close together), then sleep in short slices
+    // that a new submission cuts short.
+    if (progressed) {
+      last_activity = Clock::now();
+      continue;
+    }
+    const bool expecting = !in_flight.empty() || stop_announced || (rank == 0 && coord->HasPending());
+    std::unique_lock<std::mutex> lock(mu_);
+    auto has_news = [&] { return !queue_.empty() || stop_requested_ != stop_requested; };
+    if (rank != 0 && !expecting) {
+      // Nothing can arrive that concerns this rank until it submits something.
+      cv_.wait(lock, has_news);
+      continue;
+    }
+    const auto idle = Clock::now() - last_activity;
+    if (idle < std::chrono::microseconds(config_.spin_us)) {
+      lock.unlock();
+      std::this_thread::yield();
+      continue;
+    }
+    const auto slice = expecting ? std::chrono::microseconds(config_.poll_us) : std::chrono::microseconds(1000);
+    cv_.wait_for(lock, std::min<Clock::duration>(slice, idle / 4 + std::chrono::microseconds(1)), has_news);
+  }
+
+  FailAll(&in_flight, "tf_mpi: shut down while this collective was pending");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_requested_ = true;  // refuse new work until the next init()
+    for (auto& r : queue_) r->done(Status::Aborted("tf_mpi has been shut down"));
+    queue_.clear();
+  }
+  outbox.Drain(std::chrono::seconds(2));
+}
+
+}  // namespace tfmpi

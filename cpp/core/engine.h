@@ -1,0 +1,62 @@
+// The per-process engine: callers (TensorFlow kernels, the Python binding)
+// enqueue Requests from any thread and return; a background thread announces
+// them to rank 0, executes rank 0's decisions and calls each request's `done`.
+//
+//   caller threads --Enqueue--> queue --> background thread
+//        worker ranks:  announce (Isend to rank 0)  <-- decisions (from rank 0)
+//        rank 0:        Coordinator collects announcements, decides, sends
+//   then every rank: Executor runs decisions in order (fusion, MPI), done(status)
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "env.h"
+#include "mpi_context.h"
+#include "request.h"
+
+namespace tfmpi {
+
+class Engine {
+ public:
+  static Engine& Get();
+
+  // Collective over the chosen communicator. Idempotent while initialised.
+  Status Init(const InitOptions& opts);
+  // Stops the background thread after telling rank 0; pending and later
+  // requests fail with an error. MPI stays initialised (see Finalize).
+  void Shutdown();
+  // Shutdown(), then MPI_Finalize if this library initialised MPI.
+  static void Finalize();
+  // Kills the whole job (MPI_Abort); used when one rank cannot go on.
+  static void Abort(int code);
+
+  bool initialized() const { return initialized_.load(); }
+  const MpiContext& mpi() const { return mpi_; }
+  const EngineConfig& config() const { return config_; }
+
+  // Queues `r`. On an immediate error (bad arguments, not initialised) returns
+  // it and does not call r->done; otherwise r->done is called exactly once.
+  Status Enqueue(std::unique_ptr<Request> r);
+
+ private:
+  Engine() = default;
+  void Loop();
+  Status Validate(const Request& r) const;
+
+  MpiContext mpi_;
+  EngineConfig config_{};
+  std::atomic<bool> initialized_{false};
+  std::thread thread_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Request>> queue_;
+  bool stop_requested_ = false;
+};
+
+}  // namespace tfmpi

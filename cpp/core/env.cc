@@ -1,0 +1,52 @@
+#include "env.h"
+
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+namespace tfmpi {
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 10);
+  if (*end) throw std::invalid_argument(std::string("tf_mpi: ") + name + "=" + v + " is not an integer");
+  return x;
+}
+
+double EnvDouble(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  double x = std::strtod(v, &end);
+  if (*end) throw std::invalid_argument(std::string("tf_mpi: ") + name + "=" + v + " is not a number");
+  return x;
+}
+
+EngineConfig EngineConfig::FromEnv() {
+  EngineConfig c;
+  // Defaults come from benchmarks/allreduce_bench.py on a 2-core machine
+  // (see docs/performance.md): 64 MiB fused buffers, cut into 1 MiB MPI calls
+  // because cache-sized messages pipeline better than one huge call.
+  c.fusion_threshold_bytes = EnvInt("TF_MPI_FUSION_THRESHOLD", 64ll << 20);
+  c.chunk_bytes = EnvInt("TF_MPI_CHUNK_BYTES", 1ll << 20);
+  c.cache_capacity = EnvInt("TF_MPI_CACHE_CAPACITY", 4096);
+  c.stall_check_s = EnvDouble("TF_MPI_STALL_CHECK_TIME_SECONDS", 60.0);
+  c.stall_shutdown_s = EnvDouble("TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", 0.0);
+  c.spin_us = EnvInt("TF_MPI_SPIN_US", 50);
+  c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
+  if (c.chunk_bytes <= 0) c.chunk_bytes = 1ll << 20;
+  if (c.fusion_threshold_bytes < 0) c.fusion_threshold_bytes = 0;
+  return c;
+}
+
+std::string EngineConfig::ToString() const {
+  std::ostringstream os;
+  os << "fusion_threshold=" << fusion_threshold_bytes << " chunk_bytes=" << chunk_bytes
+     << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
+     << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us;
+  return os.str();
+}
+
+}  // namespace tfmpi

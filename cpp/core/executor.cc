@@ -1,0 +1,128 @@
+#include "executor.h"
+
+#include <cstring>
+
+#include "fusion.h"
+#include "logging.h"
+#include "scale.h"
+
+namespace tfmpi {
+
+double Executor::PostScale(const RequestMeta& m) const {
+  return m.op == ReduceOp::kAverage ? m.postscale / mpi_->size() : m.postscale;
+}
+
+bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache) {
+  // Responses are copied out of the cache: Put() below may move cache storage.
+  std::vector<Response> responses;
+  responses.reserve(decisions.size());
+  for (const Decision& d : decisions) {
+    if (d.kind == Decision::Kind::kError) {
+      auto it = in_flight->find(d.response.meta.name);
+      if (it != in_flight->end()) {
+        it->second->done(Status::Aborted(d.response.error));
+        in_flight->erase(it);
+      }
+    } else if (d.kind == Decision::Kind::kExecuteCached) {
+      responses.push_back(cache->Get(d.cache_id));
+    } else if (d.kind == Decision::Kind::kExecute) {
+      cache->Put(d.response);
+      responses.push_back(d.response);
+    }
+  }
+
+  std::vector<Work> allreduces, others;
+  for (const Response& r : responses) {
+    auto it = in_flight->find(r.meta.name);
+    if (it == in_flight->end()) {
+      LogError("rank 0 scheduled '" + r.meta.name + "', which this rank never submitted");
+      return false;
+    }
+    (r.meta.type == CollectiveType::kAllreduce ? allreduces : others).push_back({it->second.get(), &r});
+  }
+  RunAllreduces(allreduces);
+  for (const Work& w : others) {
+    if (w.response->meta.type == CollectiveType::kAllgather) RunAllgather(w);
+    else RunBroadcast(w);
+  }
+  for (const Response& r : responses) {
+    auto it = in_flight->find(r.meta.name);
+    it->second->done(Status::OK());
+    in_flight->erase(it);
+  }
+  return true;
+}
+
+void Executor::RunAllreduces(const std::vector<Work>& work) {
+  struct Slot { Request* req; size_t t; int64_t count; };
+  std::vector<Slot> slots;
+  std::vector<FusionItem> items;
+  for (const Work& w : work) {
+    const RequestMeta& m = w.request->meta;
+    for (size_t t = 0; t < m.tensors.size(); ++t) {
+      const int64_t count = NumElements(m.tensors[t].shape);
+      if (count == 0) continue;
+      slots.push_back({w.request, t, count});
+      items.push_back({m.tensors[t].dtype, m.op, count * static_cast<int64_t>(DataTypeSize(m.tensors[t].dtype))});
+    }
+  }
+  for (const FusionBucket& b : PlanFusion(items, fusion_threshold_)) {
+    const Slot& first = slots[b.items[0]];
+    const DataType dtype = first.req->meta.tensors[first.t].dtype;
+    const ReduceOp op = first.req->meta.op;
+    if (b.direct) {
+      const RequestMeta& m = first.req->meta;
+      const void* in = first.req->inputs[first.t];
+      void* out = first.req->outputs[first.t];
+      if (m.prescale != 1.0) {
+        ScaleCopy(out, in, first.count, dtype, m.prescale);
+        in = out;
+      }
+      collectives_.Allreduce(in, out, first.count, dtype, op);
+      const double post = PostScale(m);
+      if (post != 1.0) ScaleCopy(out, out, first.count, dtype, post);
+      continue;
+    }
+    if (static_cast<int64_t>(fusion_buffer_.size()) < b.bytes) fusion_buffer_.resize(b.bytes);
+    char* buf = fusion_buffer_.data();
+    int64_t offset = 0;
+    for (size_t i : b.items) {
+      const Slot& s = slots[i];
+      ScaleCopy(buf + offset, s.req->inputs[s.t], s.count, dtype, s.req->meta.prescale);
+      offset += items[i].bytes;
+    }
+    collectives_.Allreduce(nullptr, buf, b.bytes / DataTypeSize(dtype), dtype, op);
+    offset = 0;
+    for (size_t i : b.items) {
+      const Slot& s = slots[i];
+      ScaleCopy(s.req->outputs[s.t], buf + offset, s.count, dtype, PostScale(s.req->meta));
+      offset += items[i].bytes;
+    }
+  }
+}
+
+void Executor::RunAllgather(const Work& w) {
+  const RequestMeta& m = w.request->meta;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    const Shape& mine = m.tensors[t].shape;
+    const std::vector<int64_t>& rows = w.response->dim0[t];
+    Shape out_shape = mine;
+    out_shape[0] = 0;
+    for (int64_t r : rows) out_shape[0] += r;
+    void* out = w.request->allocate(t, out_shape);
+    const int64_t row_elems = mine[0] == 0 ? NumElements(Shape(mine.begin() + 1, mine.end())) : NumElements(mine) / mine[0];
+    collectives_.Allgather(w.request->inputs[t], out, rows, row_elems * DataTypeSize(m.tensors[t].dtype));
+  }
+}
+
+void Executor::RunBroadcast(const Work& w) {
+  const RequestMeta& m = w.request->meta;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    const int64_t bytes = NumElements(m.tensors[t].shape) * DataTypeSize(m.tensors[t].dtype);
+    void* out = w.request->outputs[t];
+    if (mpi_->rank() == m.root && out != w.request->inputs[t]) std::memcpy(out, w.request->inputs[t], bytes);
+    collectives_.Broadcast(out, bytes, m.root);
+  }
+}
+
+}  // namespace tfmpi

@@ -1,0 +1,44 @@
+// Runs rank 0's decisions on this rank: updates the response cache, performs
+// the MPI collectives (fused where possible) and completes the callers'
+// requests. Every rank runs the same decisions in the same order.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "collectives.h"
+#include "env.h"
+#include "request.h"
+#include "response_cache.h"
+#include "wire.h"
+
+namespace tfmpi {
+
+using InFlight = std::unordered_map<std::string, std::unique_ptr<Request>>;
+
+class Executor {
+ public:
+  Executor(const MpiContext* mpi, const EngineConfig& config)
+      : mpi_(mpi), collectives_(mpi, config.chunk_bytes), fusion_threshold_(config.fusion_threshold_bytes) {}
+
+  // Executes `decisions`; requests they name are completed and removed from
+  // `in_flight`. Returns false if a decision names a request this rank does
+  // not have (a protocol error: the caller must abort rather than hang).
+  bool Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache);
+
+ private:
+  struct Work { Request* request; const Response* response; };
+  void RunAllreduces(const std::vector<Work>& work);
+  void RunAllgather(const Work& w);
+  void RunBroadcast(const Work& w);
+  double PostScale(const RequestMeta& m) const;
+
+  const MpiContext* mpi_;
+  Collectives collectives_;
+  int64_t fusion_threshold_;
+  std::vector<char> fusion_buffer_;  // reused across steps; grows to the threshold
+};
+
+}  // namespace tfmpi

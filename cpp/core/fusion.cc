@@ -1,0 +1,38 @@
+#include "fusion.h"
+
+#include <map>
+#include <utility>
+
+namespace tfmpi {
+
+std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold) {
+  std::vector<FusionBucket> out;
+  // Open bucket per (dtype, op); buckets are emitted in order of their first item.
+  std::map<std::pair<DataType, ReduceOp>, size_t> open;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const FusionItem& it = items[i];
+    if (threshold <= 0 || it.bytes >= threshold) {
+      FusionBucket b;
+      b.items = {i};
+      b.direct = true;
+      b.bytes = it.bytes;
+      out.push_back(std::move(b));
+      continue;
+    }
+    const ReduceOp op = it.op == ReduceOp::kAverage ? ReduceOp::kSum : it.op;
+    auto key = std::make_pair(it.dtype, op);
+    auto found = open.find(key);
+    if (found == open.end() || out[found->second].bytes + it.bytes > threshold) {
+      out.emplace_back();
+      found = open.insert_or_assign(key, out.size() - 1).first;
+    }
+    FusionBucket& b = out[found->second];
+    b.items.push_back(i);
+    b.bytes += it.bytes;
+  }
+  // A bucket that ended up with one tensor needs no copies either.
+  for (auto& b : out) if (b.items.size() == 1) b.direct = true;
+  return out;
+}
+
+}  // namespace tfmpi

@@ -1,0 +1,30 @@
+// Tensor fusion: which allreduce tensors share one MPI call.
+//
+// Ready tensors with the same dtype and MPI op are packed, in decision order,
+// into buffers of at most `threshold` bytes. A tensor that alone reaches the
+// threshold is reduced in place from its own buffers (no copy). The plan is a
+// pure function of the decisions, so every rank computes the same one.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "types.h"
+
+namespace tfmpi {
+
+struct FusionItem {
+  DataType dtype;
+  ReduceOp op;      // Average and Sum share a bucket (both reduce with a sum)
+  int64_t bytes;
+};
+
+struct FusionBucket {
+  std::vector<size_t> items;  // indices into the input, in order
+  bool direct = false;        // a single tensor reduced without the fusion buffer
+  int64_t bytes = 0;
+};
+
+std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold);
+
+}  // namespace tfmpi

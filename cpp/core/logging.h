@@ -1,0 +1,13 @@
+// Rank-prefixed messages on stderr, so interleaved output from many ranks
+// stays attributable.
+#pragma once
+
+#include <string>
+
+namespace tfmpi {
+
+void SetLogRank(int rank);
+void LogWarning(const std::string& msg);
+void LogError(const std::string& msg);
+
+}  // namespace tfmpi

@@ -1,0 +1,165 @@
+#include "mpi_context.h"
+
+#include <algorithm>
+#include <string>
+
+#include "dispatch.h"
+
+namespace tfmpi {
+
+namespace {
+
+bool g_we_initialized = false;
+
+struct SumF { float operator()(float a, float b) const { return a + b; } };
+struct MinF { float operator()(float a, float b) const { return std::min(a, b); } };
+struct MaxF { float operator()(float a, float b) const { return std::max(a, b); } };
+struct ProdF { float operator()(float a, float b) const { return a * b; } };
+
+// MPI user op: inout[i] = f(in[i], inout[i]) computed in float.
+template <typename H, typename F>
+void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  const H* a = static_cast<const H*>(in);
+  H* b = static_cast<H*>(inout);
+  F f;
+  for (int i = 0; i < *len; ++i) b[i] = Store<H>(f(Load(a[i]), Load(b[i])));
+}
+
+template <typename H>
+void CreateHalfOps(MPI_Op* ops) {
+  MPI_Op_create(&HalfReduce<H, SumF>, 1, &ops[static_cast<int>(ReduceOp::kSum)]);
+  MPI_Op_create(&HalfReduce<H, MinF>, 1, &ops[static_cast<int>(ReduceOp::kMin)]);
+  MPI_Op_create(&HalfReduce<H, MaxF>, 1, &ops[static_cast<int>(ReduceOp::kMax)]);
+  MPI_Op_create(&HalfReduce<H, ProdF>, 1, &ops[static_cast<int>(ReduceOp::kProduct)]);
+}
+
+std::string MpiError(const char* what, int code) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, msg, &len);
+  return std::string("tf_mpi: ") + what + " failed: " + std::string(msg, len);
+}
+
+}  // namespace
+
+bool MpiContext::ThreadMultiple() {
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  return provided == MPI_THREAD_MULTIPLE;
+}
+
+Status MpiContext::Init(const InitOptions& opts) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) return Status::Precondition("tf_mpi: MPI has already been finalized in this process");
+  if (!initialized) {
+    int provided = 0;
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) return Status::Internal(MpiError("MPI_Init_thread", rc));
+    g_we_initialized = true;
+  }
+  if (!ThreadMultiple()) {
+    // The engine calls MPI from one background thread only, so SERIALIZED
+    // would do, but user code (mpi4py) calling MPI concurrently would not be safe.
+    int provided = 0;
+    MPI_Query_thread(&provided);
+    if (provided < MPI_THREAD_SERIALIZED)
+      return Status::Precondition("tf_mpi: MPI was initialised with a thread level below MPI_THREAD_SERIALIZED; "
+                                  "initialise it with MPI_THREAD_MULTIPLE (mpi4py does by default)");
+  }
+
+  MPI_Comm base = MPI_COMM_WORLD;
+  MPI_Comm created = MPI_COMM_NULL;
+  if (opts.has_comm) {
+    base = MPI_Comm_f2c(opts.fortran_comm);
+    if (base == MPI_COMM_NULL) return Status::Invalid("tf_mpi: init(comm=...) got MPI_COMM_NULL");
+  } else if (!opts.ranks.empty()) {
+    int world_size = 0, world_rank = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    for (int r : opts.ranks)
+      if (r < 0 || r >= world_size)
+        return Status::Invalid("tf_mpi: init(comm=[...]) lists rank " + std::to_string(r) +
+                               " but MPI_COMM_WORLD has " + std::to_string(world_size) + " ranks");
+    MPI_Group world_group, group;
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    MPI_Group_incl(world_group, static_cast<int>(opts.ranks.size()), opts.ranks.data(), &group);
+    MPI_Comm_create(MPI_COMM_WORLD, group, &created);  // collective over the world
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+    if (created == MPI_COMM_NULL)
+      return Status::Invalid("tf_mpi: this process (world rank " + std::to_string(world_rank) +
+                             ") is not in the ranks passed to init()");
+    base = created;
+  }
+  MPI_Comm_dup(base, &comm_);
+  if (created != MPI_COMM_NULL) MPI_Comm_free(&created);
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+
+  // local = ranks sharing this node's memory; cross = same local rank on each node.
+  MPI_Comm local, cross;
+  MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
+  MPI_Comm_rank(local, &local_rank_);
+  MPI_Comm_size(local, &local_size_);
+  MPI_Comm_split(comm_, local_rank_, rank_, &cross);
+  MPI_Comm_rank(cross, &cross_rank_);
+  MPI_Comm_size(cross, &cross_size_);
+  MPI_Comm_free(&local);
+  MPI_Comm_free(&cross);
+
+  MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
+  MPI_Type_commit(&half_type_);
+  CreateHalfOps<Float16>(half_ops_[0]);
+  CreateHalfOps<BFloat16>(half_ops_[1]);
+  return Status::OK();
+}
+
+void MpiContext::Release() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (half_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&half_type_);
+  for (auto& row : half_ops_)
+    for (auto& op : row)
+      if (op != MPI_OP_NULL && op != 0) { MPI_Op_free(&op); op = 0; }
+}
+
+void MpiContext::FinalizeIfOwned() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (g_we_initialized && initialized && !finalized) MPI_Finalize();
+}
+
+MPI_Datatype MpiContext::Type(DataType t) const {
+  switch (t) {
+    case DataType::kUInt8: return MPI_UINT8_T;
+    case DataType::kInt8: return MPI_INT8_T;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return half_type_;
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
+    case DataType::kBool: return MPI_C_BOOL;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+MPI_Op MpiContext::Op(ReduceOp op, DataType t) const {
+  if (op == ReduceOp::kAverage) op = ReduceOp::kSum;
+  if (t == DataType::kFloat16 || t == DataType::kBFloat16)
+    return half_ops_[t == DataType::kFloat16 ? 0 : 1][static_cast<int>(op)];
+  switch (op) {
+    case ReduceOp::kSum: return t == DataType::kBool ? MPI_LOR : MPI_SUM;
+    case ReduceOp::kMin: return t == DataType::kBool ? MPI_LAND : MPI_MIN;
+    case ReduceOp::kMax: return t == DataType::kBool ? MPI_LOR : MPI_MAX;
+    case ReduceOp::kProduct: return t == DataType::kBool ? MPI_LAND : MPI_PROD;
+    default: return MPI_OP_NULL;
+  }
+}
+
+}  // namespace tfmpi

@@ -1,0 +1,18 @@
+// Element-wise helpers the executor needs on raw buffers of any DataType.
+#pragma once
+
+#include <cstdint>
+
+#include "types.h"
+
+namespace tfmpi {
+
+// dst[i] = src[i] * factor for `count` elements of `dtype` (dst may equal src).
+// Integers are scaled in double and truncated toward zero, as C casts do.
+void ScaleCopy(void* dst, const void* src, int64_t count, DataType dtype, double factor);
+
+// Fills `count` elements of `dtype` with the identity of `op` (0 for Sum, ...).
+// Used when a rank contributes nothing (join) and for empty fused slots.
+void FillIdentity(void* dst, int64_t count, DataType dtype, ReduceOp op);
+
+}  // namespace tfmpi

@@ -1,0 +1,135 @@
+#include "wire.h"
+
+namespace tfmpi {
+
+namespace {
+
+class Writer {
+ public:
+  std::vector<char> buf;
+  template <typename T> void Pod(T v) {
+    const char* p = reinterpret_cast<const char*>(&v);
+    buf.insert(buf.end(), p, p + sizeof(T));
+  }
+  void Str(const std::string& s) { Pod<uint32_t>(s.size()); buf.insert(buf.end(), s.begin(), s.end()); }
+  void Meta(const RequestMeta& m) {
+    Str(m.name);
+    Pod(m.type); Pod(m.op); Pod(m.prescale); Pod(m.postscale); Pod(m.root);
+    Pod<uint32_t>(m.tensors.size());
+    for (const auto& t : m.tensors) {
+      Pod(t.dtype);
+      Pod<uint32_t>(t.shape.size());
+      for (int64_t d : t.shape) Pod(d);
+    }
+  }
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<char>& b) : buf_(b) {}
+  template <typename T> T Pod() {
+    if (pos_ + sizeof(T) > buf_.size()) throw std::runtime_error("tf_mpi: truncated negotiation message");
+    T v;
+    std::memcpy(&v, buf_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  std::string Str() {
+    uint32_t n = Pod<uint32_t>();
+    if (pos_ + n > buf_.size()) throw std::runtime_error("tf_mpi: truncated negotiation message");
+    std::string s(buf_.data() + pos_, n);
+    pos_ += n;
+    return s;
+  }
+  RequestMeta Meta() {
+    RequestMeta m;
+    m.name = Str();
+    m.type = Pod<CollectiveType>(); m.op = Pod<ReduceOp>();
+    m.prescale = Pod<double>(); m.postscale = Pod<double>(); m.root = Pod<int32_t>();
+    m.tensors.resize(Pod<uint32_t>());
+    for (auto& t : m.tensors) {
+      t.dtype = Pod<DataType>();
+      t.shape.resize(Pod<uint32_t>());
+      for (auto& d : t.shape) d = Pod<int64_t>();
+    }
+    return m;
+  }
+ private:
+  const std::vector<char>& buf_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::vector<char> Encode(const std::vector<Announcement>& items) {
+  Writer w;
+  w.Pod<uint32_t>(items.size());
+  for (const auto& a : items) {
+    w.Pod(a.kind);
+    if (a.kind == Announcement::Kind::kFull) w.Meta(a.meta);
+    if (a.kind == Announcement::Kind::kCached) w.Pod(a.cache_id);
+  }
+  return std::move(w.buf);
+}
+
+void Decode(const std::vector<char>& bytes, std::vector<Announcement>* out) {
+  Reader r(bytes);
+  out->resize(r.Pod<uint32_t>());
+  for (auto& a : *out) {
+    a.kind = r.Pod<Announcement::Kind>();
+    if (a.kind == Announcement::Kind::kFull) a.meta = r.Meta();
+    if (a.kind == Announcement::Kind::kCached) a.cache_id = r.Pod<uint32_t>();
+  }
+}
+
+std::vector<char> Encode(const std::vector<Decision>& items) {
+  Writer w;
+  w.Pod<uint32_t>(items.size());
+  for (const auto& d : items) {
+    w.Pod(d.kind);
+    switch (d.kind) {
+      case Decision::Kind::kExecuteCached: w.Pod(d.cache_id); break;
+      case Decision::Kind::kExecute:
+        w.Meta(d.response.meta);
+        w.Pod<uint32_t>(d.response.dim0.size());
+        for (const auto& per_rank : d.response.dim0) {
+          w.Pod<uint32_t>(per_rank.size());
+          for (int64_t v : per_rank) w.Pod(v);
+        }
+        break;
+      case Decision::Kind::kError: w.Str(d.response.meta.name); w.Str(d.response.error); break;
+      case Decision::Kind::kShutdownAck: w.Pod(d.rank); break;
+      case Decision::Kind::kCoordinatorGone: break;
+    }
+  }
+  return std::move(w.buf);
+}
+
+void Decode(const std::vector<char>& bytes, std::vector<Decision>* out) {
+  Reader r(bytes);
+  out->resize(r.Pod<uint32_t>());
+  for (auto& d : *out) {
+    d.kind = r.Pod<Decision::Kind>();
+    switch (d.kind) {
+      case Decision::Kind::kExecuteCached: d.cache_id = r.Pod<uint32_t>(); break;
+      case Decision::Kind::kExecute:
+        d.response.kind = Response::Kind::kExecute;
+        d.response.meta = r.Meta();
+        d.response.dim0.resize(r.Pod<uint32_t>());
+        for (auto& per_rank : d.response.dim0) {
+          per_rank.resize(r.Pod<uint32_t>());
+          for (auto& v : per_rank) v = r.Pod<int64_t>();
+        }
+        break;
+      case Decision::Kind::kError:
+        d.response.kind = Response::Kind::kError;
+        d.response.meta.name = r.Str();
+        d.response.error = r.Str();
+        break;
+      case Decision::Kind::kShutdownAck: d.rank = r.Pod<int32_t>(); break;
+      case Decision::Kind::kCoordinatorGone: break;
+    }
+  }
+}
+
+}  // namespace tfmpi

@@ -1,0 +1,36 @@
+// The two negotiation messages and their byte encoding.
+//   worker -> rank 0 : a batch of Announcements (new or cached requests, control)
+//   rank 0 -> workers: a batch of Decisions, executed by every rank in order
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "request.h"
+
+namespace tfmpi {
+
+struct Announcement {
+  enum class Kind : uint8_t { kFull = 0, kCached = 1, kShutdown = 2 };
+  Kind kind = Kind::kFull;
+  RequestMeta meta;   // kFull
+  uint32_t cache_id = 0;  // kCached
+};
+
+struct Decision {
+  enum class Kind : uint8_t { kExecuteCached = 0, kExecute = 1, kError = 2, kShutdownAck = 3, kCoordinatorGone = 4 };
+  Kind kind = Kind::kExecute;
+  uint32_t cache_id = 0;  // kExecuteCached
+  Response response;      // kExecute / kError
+  int32_t rank = -1;      // kShutdownAck: whose shutdown
+};
+
+std::vector<char> Encode(const std::vector<Announcement>& items);
+std::vector<char> Encode(const std::vector<Decision>& items);
+void Decode(const std::vector<char>& bytes, std::vector<Announcement>* out);
+void Decode(const std::vector<char>& bytes, std::vector<Decision>* out);
+
+}  // namespace tfmpi

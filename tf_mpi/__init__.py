@@ -1,0 +1,25 @@
+"""tf_mpi: synchronous data-parallel TensorFlow training over MPI.
+
+A Horovod-compatible API: ``import tf_mpi as hvd`` and keep your code.
+
+Example (run with ``mpirun -np 2 python train.py``)::
+
+    import tensorflow as tf
+    import tf_mpi as hvd
+
+    hvd.init()
+    total = hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)
+"""
+from tf_mpi.basics import (
+    Average, Sum, Min, Max, Product, Adasum,
+    init, shutdown, is_initialized, rank, size, local_rank, local_size, cross_rank, cross_size,
+    mpi_threads_supported, mpi_enabled, mpi_built, gloo_built, nccl_built, ccl_built, ddl_built,
+    rocm_built, cuda_built,
+)
+from tf_mpi.compression import Compression
+from tf_mpi.ops import (
+    allreduce, grouped_allreduce, allgather, broadcast,
+    rank_op, size_op, local_rank_op, local_size_op,
+)
+
+__version__ = "0.1.0"

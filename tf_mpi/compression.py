@@ -1,0 +1,53 @@
+"""Gradient compression on the wire (Horovod's ``hvd.Compression``)."""
+import tensorflow as tf
+
+
+class Compressor:
+    """Turns a tensor into what is sent and back. Subclass and pass as ``compression=``."""
+
+    @staticmethod
+    def compress(tensor):
+        """Returns ``(tensor_to_send, context)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        """Inverse of ``compress`` given its context."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Sends floating tensors as float16 (half the bytes), casts back after.
+
+    Example::
+
+        hvd.allreduce(grad, compression=hvd.Compression.fp16)
+    """
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class Compression:
+    """The available compressors: ``Compression.none`` and ``Compression.fp16``."""
+    none = NoneCompressor
+    fp16 = FP16Compressor

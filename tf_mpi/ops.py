@@ -1,0 +1,193 @@
+"""TensorFlow collectives backed by the tf_mpi engine (custom C++ ops).
+
+Every function works in eager mode and inside ``tf.function``. Collectives are
+matched across ranks by name: give concurrent collectives distinct names (the
+default, the op's node name inside a graph, is unique per graph).
+"""
+import os
+
+import tensorflow as tf
+
+from tf_mpi import basics
+from tf_mpi.basics import Average, Sum, Min, Max, Product, Adasum
+from tf_mpi.compression import Compression
+
+_lib = tf.load_op_library(os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtfmpi_tf.so"))
+
+_VALID_OPS = (Average, Sum, Min, Max, Product, Adasum)
+
+
+def _check_op(op):
+    if op not in _VALID_OPS:
+        raise ValueError(f"tf_mpi: op must be one of Average, Sum, Min, Max, Product, Adasum; got {op!r}")
+    if op == Adasum:
+        raise NotImplementedError("tf_mpi: the Adasum reduction is not implemented yet; use op=Average or op=Sum")
+
+
+def _name(name):
+    return "" if name is None else str(name)
+
+
+def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """The raw op: one dense tensor, no compression."""
+    return _lib.tf_mpi_allreduce(tensor, reduce_op=op, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, tensor_name=_name(name))
+
+
+def allreduce(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
+              compression=Compression.none, average=None):
+    """Reduces ``tensor`` over all ranks; every rank gets the result.
+
+    Args:
+      tensor: a ``tf.Tensor`` (uint8, int8, int32, int64, float16, bfloat16,
+        float32, float64) or ``tf.IndexedSlices`` (then values and indices are
+        allgathered, as Horovod does; op must be Average or Sum).
+      op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        Integer averages are truncated toward zero.
+      name: matches this collective across ranks; defaults to the op's name.
+      prescale_factor / postscale_factor: multiply before / after the reduction.
+      compression: ``Compression.none`` or ``Compression.fp16``.
+      average: deprecated Horovod flag; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
+
+    Example::
+
+        hvd.init()
+        x = tf.constant([1.0, 2.0]) * (hvd.rank() + 1)
+        hvd.allreduce(x, op=hvd.Sum)   # on 2 ranks: [3.0, 6.0] everywhere
+    """
+    if average is not None:
+        op = Average if average else Sum
+    _check_op(op)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
+    tensor = tf.convert_to_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
+    return compression.decompress(reduced, ctx)
+
+
+def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor):
+    if op not in (Average, Sum):
+        raise NotImplementedError("tf_mpi: IndexedSlices can only be reduced with op=Average or op=Sum")
+    prefix = "" if name is None else f"{name}."
+    values = allgather(slices.values, name=None if name is None else prefix + "values")
+    indices = allgather(slices.indices, name=None if name is None else prefix + "indices")
+    scale = prescale_factor * postscale_factor / (basics.size() if op == Average else 1)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def grouped_allreduce(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                      compression=Compression.none):
+    """Reduces a list of tensors as one unit: negotiated together, fused per
+    dtype, completed together. Dtypes may be mixed.
+
+    Example::
+
+        grads = hvd.grouped_allreduce([g1, g2, g3], op=hvd.Average)
+    """
+    _check_op(op)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    dense_idx = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    out = [None] * len(tensors)
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            out[i] = _allreduce_indexed_slices(t, op, None if name is None else f"{name}.{i}",
+                                               prescale_factor, postscale_factor)
+    if dense_idx:
+        pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
+        reduced = _lib.tf_mpi_grouped_allreduce([p[0] for p in pairs], reduce_op=op,
+                                                prescale_factor=prescale_factor,
+                                                postscale_factor=postscale_factor, tensor_name=_name(name))
+        for i, r, (_, ctx) in zip(dense_idx, reduced, pairs):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def allgather(tensor, name=None):
+    """Concatenates each rank's ``tensor`` along dimension 0 (which may differ per rank).
+
+    Example::
+
+        hvd.allgather(tf.fill([hvd.rank() + 1], hvd.rank()))  # 2 ranks: [0, 1, 1]
+    """
+    return _lib.tf_mpi_allgather([tf.convert_to_tensor(tensor)], tensor_name=_name(name))[0]
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Returns root_rank's ``tensor`` on every rank.
+
+    Example::
+
+        w = hvd.broadcast(w, root_rank=0)
+    """
+    return _lib.tf_mpi_broadcast([tf.convert_to_tensor(tensor)], root_rank=root_rank, tensor_name=_name(name))[0]
+
+
+def rank_op(name=None):
+    """This rank as an int32 scalar op (for graphs)."""
+    return _lib.tf_mpi_rank(name=name)
+
+
+def size_op(name=None):
+    """Number of ranks as an int32 scalar op."""
+    return _lib.tf_mpi_size(name=name)
+
+
+def local_rank_op(name=None):
+    """Local rank as an int32 scalar op."""
+    return _lib.tf_mpi_local_rank(name=name)
+
+
+def local_size_op(name=None):
+    """Local size as an int32 scalar op."""
+    return _lib.tf_mpi_local_size(name=name)
+
+
+# ---- gradients: reduce the incoming gradient the way the forward op reduced its input.
+
+@tf.RegisterGradient("TfMpiAllreduce")
+def _allreduce_grad(op, grad):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (Average, Sum):
+        raise NotImplementedError("tf_mpi: gradients are defined for allreduce with op=Average or op=Sum only")
+    return _allreduce(grad, reduce_op, op.get_attr("prescale_factor"), op.get_attr("postscale_factor"))
+
+
+@tf.RegisterGradient("TfMpiGroupedAllreduce")
+def _grouped_allreduce_grad(op, *grads):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (Average, Sum):
+        raise NotImplementedError("tf_mpi: gradients are defined for allreduce with op=Average or op=Sum only")
+    grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
+    return _lib.tf_mpi_grouped_allreduce(grads, reduce_op=reduce_op,
+                                         prescale_factor=op.get_attr("prescale_factor"),
+                                         postscale_factor=op.get_attr("postscale_factor"))
+
+
+@tf.RegisterGradient("TfMpiAllgather")
+def _allgather_grad(op, *grads):
+    # d(sum of all ranks' losses)/d(my rows) = my slice of the summed gradient.
+    out = []
+    for x, g in zip(op.inputs, grads):
+        g = tf.zeros_like(op.outputs[len(out)]) if g is None else g
+        summed = _allreduce(g, Sum)
+        rows = tf.reshape(allgather(tf.shape(x, out_type=tf.int64)[:1]), [-1])
+        start = tf.reduce_sum(rows[:rank_op()])
+        out.append(tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(g) - 1], tf.int64)], 0),
+                            tf.shape(x, out_type=tf.int64)))
+    return out
+
+
+@tf.RegisterGradient("TfMpiBroadcast")
+def _broadcast_grad(op, *grads):
+    root = op.get_attr("root_rank")
+    out = []
+    for x, g in zip(op.inputs, grads):
+        g = tf.zeros_like(x) if g is None else g
+        summed = _allreduce(g, Sum)
+        out.append(summed if basics.rank() == root else tf.zeros_like(summed))
+    return out

@@ -1,0 +1,349 @@
+"""Allreduce benchmark: tf_mpi's TensorFlow op against raw MPI_Allreduce (mpi4py).
+
+Run (from the repository root; rank 0 prints, every rank measures)::
+
+    mpirun -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json]
+
+What it measures (float32, op=Sum, all times are per allreduce):
+
+  (a) Single tensors of 1 KiB, 64 KiB, 1 MiB, 16 MiB and 64 MiB: one
+      ``hvd.allreduce`` inside a ``tf.function`` against
+      ``MPI.COMM_WORLD.Allreduce`` on numpy buffers of the same size.
+      For reference it also times the same tf.function with ``tf.identity``
+      in place of the allreduce ("tf floor": TensorFlow's own per-call cost).
+  (b) "Gradient storm": one ``tf.function`` with one ``hvd.allreduce`` per
+      trainable variable of Keras ResNet50 (214 tensors, 25,583,592 floats,
+      shapes from benchmarks/data/resnet50_grad_shapes.json) against one raw
+      Allreduce of a flat buffer of the same total size, and against raw
+      Allreduce of that flat buffer cut into 1 MiB pieces.
+
+Method: every input is created once, before timing. Each sample starts with
+``MPI.COMM_WORLD.Barrier()`` and times a Python loop of K back-to-back calls,
+divided by K. K is calibrated per size so that a sample lasts ~20 ms (K=1 for
+big tensors) and agreed across ranks. TensorFlow runs eagerly and
+synchronously (checked), so a call returns only once its allreduce ops have
+run; after each sample, outside the timed region, the last call's outputs are
+read back with ``.numpy()`` and checked, so no skipped work goes unnoticed.
+(``.numpy()`` copies the buffer in TF 2.x, ~20 ms for 64 MiB here, which is
+why it is kept out of the timed region.) Samples of ours and raw are
+interleaved so that background load hits both alike. A sample's time is the
+slowest rank's. We report the median, the
+inter-quartile range and min/max over samples, and the ratio of medians
+ours/raw.
+
+Before timing, results are checked (inputs of ones must reduce to size*ones,
+inputs of rank+1 to size*(size+1)/2); the run aborts if they are wrong.
+
+The closing target lines (PASS/FAIL) are informational; the exit code is 0
+whenever the results were correct.
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+# Must run before TensorFlow executes anything.
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+from mpi4py import MPI  # noqa: E402  (initialises MPI with MPI_THREAD_MULTIPLE)
+
+import tf_mpi as hvd  # noqa: E402
+from tf_mpi import basics  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+CHUNK_BYTES = 1 * MiB             # piece size of the chunked raw baseline
+TARGET_SAMPLE_S = 0.02            # aim for samples of about this long
+MAX_CALLS_PER_SAMPLE = 200
+SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "resnet50_grad_shapes.json")
+
+comm = MPI.COMM_WORLD
+
+
+def default_repeats(nbytes):
+    """Fewer samples for big tensors (each one is already long)."""
+    if nbytes <= 1 * MiB:
+        return 40
+    if nbytes <= 16 * MiB:
+        return 25
+    return 15
+
+
+def log(*args):
+    if comm.rank == 0:
+        print(*args, flush=True)
+
+
+def fail(message):
+    """Stops every rank with a clear message (called collectively)."""
+    log(f"\nBENCHMARK ABORTED: {message}")
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def calls_per_sample(fn):
+    """Runs fn a few times (warm-up) and returns K such that K calls take ~TARGET_SAMPLE_S.
+
+    The estimate is the slowest rank's, so that every rank uses the same K.
+    """
+    fn()  # first call: tracing / warm caches
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    est = comm.allreduce((time.perf_counter() - t0) / 3, op=MPI.MAX)
+    return max(1, min(MAX_CALLS_PER_SAMPLE, int(TARGET_SAMPLE_S / max(est, 1e-9))))
+
+
+def time_interleaved(fns, repeats, k, label):
+    """Times each entry of `fns` for `repeats` samples of `k` calls each.
+
+    `fns` maps name -> (fn, expected): fn() returns its outputs (a list of
+    tensors or arrays), every element of which must equal `expected`; the
+    last call's outputs are checked after each sample, outside the timer.
+    Samples of the different fns are interleaved. Returns name -> stats dict
+    (seconds per call; a sample counts as the slowest rank's time).
+    """
+    samples = {name: np.empty(repeats) for name in fns}
+    wrong = []
+    for i in range(repeats):
+        for name, (fn, expected) in fns.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                outputs = fn()
+            samples[name][i] = (time.perf_counter() - t0) / k
+            if not all(np.all(np.asarray(o) == expected) for o in outputs):
+                wrong.append(f"rank {comm.rank}: {name}, sample {i}: result is not all {expected}")
+    if not comm.allreduce(not wrong, op=MPI.LAND):
+        for line in (w for per_rank in comm.gather(wrong, root=0) or [] for w in per_rank):
+            log("  " + line)
+        fail(f"{label}: wrong results while timing (details above)")
+    out = {}
+    for name, s in samples.items():
+        slowest = np.empty_like(s)
+        comm.Allreduce(s, slowest, op=MPI.MAX)
+        p25, p50, p75 = np.percentile(slowest, [25, 50, 75])
+        out[name] = dict(median_s=float(p50), p25_s=float(p25), p75_s=float(p75),
+                         min_s=float(slowest.min()), max_s=float(slowest.max()),
+                         repeats=repeats, calls_per_sample=k)
+    return out
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+def make_ours(tensors, name):
+    """A tf.function doing one hvd.allreduce(op=Sum) per tensor in the list."""
+    @tf.function
+    def reduce_all(ts):
+        return [hvd.allreduce(t, op=hvd.Sum, name=f"{name}.{i}") for i, t in enumerate(ts)]
+    return lambda: reduce_all(tensors)
+
+
+def make_raw(src, dst, chunk_elems=None):
+    """Raw MPI_Allreduce(SUM) of src into dst, whole or in pieces of chunk_elems."""
+    step = src.size if chunk_elems is None else chunk_elems
+    pieces = [(src[i:i + step], dst[i:i + step]) for i in range(0, src.size, step)]
+
+    def run():
+        for s, d in pieces:
+            comm.Allreduce(s, d, op=MPI.SUM)
+        return [dst]
+    return run
+
+
+def check_correct(shapes, name, label):
+    """Checks ours (and raw) against exact expected sums on every rank; aborts if wrong."""
+    size, rank = comm.size, comm.rank
+    problems = []
+    for fill, expected in ((1.0, float(size)), (float(rank + 1), size * (size + 1) / 2.0)):
+        tensors = [tf.fill(s, fill) for s in shapes]
+        outs = make_ours(tensors, f"{name}.check")()
+        for i, (s, o) in enumerate(zip(shapes, outs)):
+            got = o.numpy()
+            if tuple(got.shape) != tuple(s) or not np.all(got == expected):
+                bad = got[got != expected] if got.shape == tuple(s) else got.ravel()
+                problems.append(f"rank {rank}: tensor {i} shape {list(s)} filled with {fill}: expected all "
+                                f"{expected}, got shape {list(got.shape)}, {bad.size} wrong values, e.g. "
+                                f"{bad.ravel()[:4].tolist()}")
+        n = int(sum(np.prod(s) for s in shapes))
+        src = np.full(n, fill, np.float32)
+        dst = np.empty_like(src)
+        make_raw(src, dst)()
+        if not np.all(dst == expected):
+            problems.append(f"rank {rank}: raw mpi4py Allreduce of {n} floats filled with {fill} is wrong")
+    all_problems = comm.gather(problems, root=0)
+    ok = comm.allreduce(not problems, op=MPI.LAND)
+    if not ok:
+        if rank == 0:
+            for p in (p for per_rank in all_problems for p in per_rank):
+                print("  " + p, flush=True)
+        fail(f"{label}: tf_mpi allreduce(op=Sum) returned wrong results (details above); "
+             "timing a wrong result is meaningless")
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def human_bytes(n):
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def unit_for(nbytes):
+    """Microseconds for small tensors, milliseconds from 1 MiB up."""
+    return (1e6, "us") if nbytes < MiB else (1e3, "ms")
+
+
+def num(x):
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def signed(x):
+    return ("+" if x >= 0 else "-") + num(abs(x))
+
+
+def fmt(stats, scale):
+    """'median [p25-p75]' in the given scale."""
+    return f"{num(stats['median_s'] * scale)} [{num(stats['p25_s'] * scale)}-{num(stats['p75_s'] * scale)}]"
+
+
+# ---------------------------------------------------------------- benchmark parts
+
+
+def bench_sizes(repeats_override):
+    log("\n(a) single float32 tensor, op=Sum: median [IQR p25-p75] per allreduce")
+    log("  (tf floor: the same tf.function with tf.identity instead of the allreduce = TF's per-call cost)")
+    log(f"{'size':>8} {'KxN':>7} | {'tf_mpi (ours)':>30} | {'raw MPI_Allreduce':>30} | {'ours/raw':>8} "
+        f"{'ours-raw':>12} | {'tf floor':>9}")
+    results = []
+    for nbytes in SIZES:
+        n = nbytes // 4
+        check_correct([[n]], f"bench{nbytes}", f"{human_bytes(nbytes)} tensor")
+        ours_input = tf.ones([n], tf.float32)
+        ours = make_ours([ours_input], f"bench{nbytes}")
+        src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+        floor = tf.function(tf.identity)
+        fns = {"ours": (ours, comm.size), "raw": (make_raw(src, dst), comm.size),
+               "tf_floor": (lambda: [floor(ours_input)], 1.0)}
+        k = calls_per_sample(fns["ours"][0])
+        fns["raw"][0]()
+        fns["tf_floor"][0]()
+        repeats = repeats_override or default_repeats(nbytes)
+        r = time_interleaved(fns, repeats, k, f"{human_bytes(nbytes)} tensor")
+        ratio = r["ours"]["median_s"] / r["raw"]["median_s"]
+        delta = r["ours"]["median_s"] - r["raw"]["median_s"]
+        scale, unit = unit_for(nbytes)
+        log(f"{human_bytes(nbytes):>8} {f'{k}x{repeats}':>7} | {fmt(r['ours'], scale) + ' ' + unit:>30} | "
+            f"{fmt(r['raw'], scale) + ' ' + unit:>30} | {ratio:7.2f}x {signed(delta * scale):>9} {unit} | "
+            f"{num(r['tf_floor']['median_s'] * scale):>6} {unit}")
+        results.append(dict(bytes=nbytes, elements=n, ours=r["ours"], raw=r["raw"],
+                            tf_function_floor=r["tf_floor"], ratio_median=ratio, overhead_median_s=delta))
+    return results
+
+
+def bench_storm(repeats_override):
+    with open(SHAPES_FILE) as f:
+        spec = json.load(f)
+    shapes = [list(s) for s in spec["shapes"]]
+    n = int(sum(np.prod(s) for s in shapes))
+    if len(shapes) != spec["num_tensors"] or n != spec["num_params"]:
+        fail(f"{SHAPES_FILE} is inconsistent: {len(shapes)} shapes / {n} values vs "
+             f"num_tensors={spec['num_tensors']} num_params={spec['num_params']}")
+    log(f"\n(b) gradient storm: {len(shapes)} allreduce ops in one tf.function "
+        f"({n:,} float32 = {n * 4 / MiB:.1f} MiB; {spec['source']})")
+    check_correct(shapes, "storm", "gradient storm")
+    ours = make_ours([tf.ones(s, tf.float32) for s in shapes], "storm")
+    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    fns = {"ours": (ours, comm.size),
+           "raw_flat": (make_raw(src, dst), comm.size),
+           "raw_chunked": (make_raw(src, dst, CHUNK_BYTES // 4), comm.size)}
+    k = calls_per_sample(fns["ours"][0])
+    fns["raw_flat"][0]()
+    fns["raw_chunked"][0]()
+    repeats = repeats_override or default_repeats(n * 4)
+    r = time_interleaved(fns, repeats, k, "gradient storm")
+    labels = {"ours": f"tf_mpi, {len(shapes)} ops",
+              "raw_flat": "raw, 1 flat Allreduce",
+              "raw_chunked": f"raw, {-(-n // (CHUNK_BYTES // 4))} x 1 MiB Allreduce"}
+    for name, label in labels.items():
+        log(f"  {label:<30} {fmt(r[name], 1e3) + ' ms':>22}   min {num(r[name]['min_s'] * 1e3)} "
+            f"max {num(r[name]['max_s'] * 1e3)} ms  ({k}x{repeats})")
+    ratio_flat = r["ours"]["median_s"] / r["raw_flat"]["median_s"]
+    ratio_chunked = r["ours"]["median_s"] / r["raw_chunked"]["median_s"]
+    log(f"  ours / raw flat    = {ratio_flat:.2f}x")
+    log(f"  ours / raw chunked = {ratio_chunked:.2f}x")
+    return dict(num_tensors=len(shapes), elements=n, bytes=n * 4, chunk_bytes=CHUNK_BYTES, **r,
+                ratio_vs_flat=ratio_flat, ratio_vs_chunked=ratio_chunked)
+
+
+def target_checks(sizes, storm):
+    big = [s for s in sizes if s["bytes"] >= 16 * MiB]
+    small = next(s for s in sizes if s["bytes"] == 1 * KiB)
+    worst_big = max(s["ratio_median"] for s in big)
+    checks = [
+        dict(name="tensors >= 16 MiB within 1.10x of raw", passed=worst_big <= 1.10,
+             measured=f"worst {worst_big:.2f}x"),
+        dict(name="gradient storm within 1.25x of single flat raw allreduce",
+             passed=storm["ratio_vs_flat"] <= 1.25, measured=f"{storm['ratio_vs_flat']:.2f}x"),
+        dict(name="1 KiB latency within raw + 100 us", passed=small["overhead_median_s"] <= 100e-6,
+             measured=f"raw {small['raw']['median_s'] * 1e6:.1f} us + {small['overhead_median_s'] * 1e6:.1f} us"),
+    ]
+    log("\ntargets (medians; informational):")
+    for c in checks:
+        log(f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']:<58} ({c['measured']})")
+    return checks
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="samples per measurement (default: adaptive, 40 for <=1 MiB down to 15 for >16 MiB)")
+    parser.add_argument("--json", default=None, help="write all measured numbers to this file (rank 0)")
+    args = parser.parse_args()
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+
+    if not tf.config.experimental.get_synchronous_execution():
+        fail("TensorFlow eager execution is asynchronous; timings would not include the work")
+    hvd.init()
+    if hvd.size() != comm.size:
+        fail(f"tf_mpi has {hvd.size()} ranks but MPI_COMM_WORLD has {comm.size}")
+    start = time.perf_counter()
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TF_MPI_")}
+    info = dict(command=" ".join([sys.executable] + sys.argv), ranks=hvd.size(), tf_version=tf.__version__,
+                mpi4py_version=__import__("mpi4py").__version__,
+                mpi_library=MPI.Get_library_version().replace("\x00", "").strip(),
+                engine_config=basics._core.config(), tf_mpi_env=env, host=platform.node(),
+                intra_op_threads=1, inter_op_threads=2)
+    log("tf_mpi allreduce benchmark")
+    log(f"  command        : {info['command']}")
+    log(f"  ranks          : {info['ranks']}   (TF {info['tf_version']}, mpi4py {info['mpi4py_version']})")
+    log(f"  MPI            : {info['mpi_library'].splitlines()[0]}")
+    log(f"  engine config  : {info['engine_config']}")
+    log(f"  TF_MPI_* env   : {env or '(none set)'}")
+    log("  TF threads     : intra-op 1, inter-op 2")
+
+    sizes = bench_sizes(args.repeats)
+    storm = bench_storm(args.repeats)
+    checks = target_checks(sizes, storm)
+    elapsed = time.perf_counter() - start
+    log(f"\nbenchmark time: {elapsed:.1f} s")
+
+    if args.json and comm.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(dict(info=info, sizes=sizes, gradient_storm=storm, targets=checks,
+                           elapsed_s=elapsed), f, indent=2)
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Runs a worker script under mpirun with a hard time limit and collects each
+rank's check results.
+
+A worker (tests/workers/*.py) defines functions named ``check_*``; the worker
+harness (tests/workers/_checks.py) runs them all on every rank and writes
+``rank<N>.json``. Each pytest test then asserts one check on every rank, so a
+single mpirun launch (one TensorFlow import per rank) serves many tests.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+def _load_launcher():
+    # tf_mpi/run.py is plain Python; load it by path so the pytest process
+    # neither imports TensorFlow nor needs the compiled engine.
+    import importlib.util
+    path = os.path.join(os.path.dirname(HERE), "tf_mpi", "run.py")
+    spec = importlib.util.spec_from_file_location("tf_mpi_launcher", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_launcher = _load_launcher()
+mpirun_command, mpirun_env = _launcher.mpirun_command, _launcher.mpirun_env
+
+WORKERS = os.path.join(HERE, "workers")
+
+
+class MpiRun:
+    def __init__(self, returncode, output, results, elapsed, timed_out):
+        self.returncode, self.output, self.results = returncode, output, results
+        self.elapsed, self.timed_out = elapsed, timed_out
+
+    def describe(self):
+        tail = self.output[-6000:]
+        return f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n--- output tail ---\n{tail}"
+
+
+def run_mpi(np, worker, timeout, env=None, args=()):
+    """Runs tests/workers/<worker> on np ranks; never waits longer than timeout seconds."""
+    out_dir = tempfile.mkdtemp(prefix="tfmpi_test_")
+    full_env = mpirun_env()
+    full_env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "TF_MPI_TEST_OUT": out_dir, "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    cmd = mpirun_command(np, [sys.executable, os.path.join(WORKERS, worker), *args])
+    start = time.time()
+    # Own process group, so a timeout kills mpirun and every rank.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True, text=True)
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    results = {}
+    for name in os.listdir(out_dir):
+        m = re.match(r"rank(\d+)\.json$", name)
+        if m:
+            with open(os.path.join(out_dir, name)) as f:
+                results[int(m.group(1))] = json.load(f)
+    return MpiRun(proc.returncode, output, results, time.time() - start, timed_out)
+
+
+def check_names(worker):
+    """Names of the check_* functions a worker defines (read without importing it)."""
+    with open(os.path.join(WORKERS, worker)) as f:
+        return re.findall(r"^def (check_\w+)\(", f.read(), flags=re.M)
+
+
+def assert_check(run, np, name):
+    """Fails unless check `name` passed on all np ranks of a launch that ended cleanly."""
+    assert not run.timed_out, f"mpirun timed out (hang?)\n{run.describe()}"
+    assert sorted(run.results) == list(range(np)), f"missing rank results\n{run.describe()}"
+    failures = {r: res[name] for r, res in run.results.items() if not res.get(name, {}).get("ok")}
+    assert not failures, "check failed on ranks " + ", ".join(
+        f"{r}: {v.get('error', 'not run') if v else 'not run'}" for r, v in sorted(failures.items()))

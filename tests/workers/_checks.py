@@ -1,0 +1,31 @@
+"""Worker-side harness: runs every check_* function of the calling module on
+this rank, records pass/fail with the error text, and writes rank<N>.json to
+$TF_MPI_TEST_OUT. Checks assert numbers; an exception is a failure."""
+import inspect
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def run_checks(module_globals, rank):
+    checks = [(n, f) for n, f in module_globals.items() if n.startswith("check_") and inspect.isfunction(f)]
+    checks.sort(key=lambda nf: nf[1].__code__.co_firstlineno)  # file order, identical on every rank
+    only = os.environ.get("TF_MPI_TEST_ONLY")
+    results = {}
+    for name, fn in checks:
+        if only and name not in only.split(","):
+            continue
+        start = time.time()
+        try:
+            fn()
+            results[name] = {"ok": True, "seconds": round(time.time() - start, 3)}
+        except Exception as e:  # record and go on: the other checks still run
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+            print(f"[rank {rank}] {name} FAILED: {e}", file=sys.stderr, flush=True)
+    out = os.environ.get("TF_MPI_TEST_OUT")
+    if out:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    return results

@@ -1,0 +1,112 @@
+"""Runtime behaviour under mpirun: init/shutdown, mpi4py coexistence, stalls
+and aborts. The scenario is argv[1]; tests/test_runtime.py launches each one.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checks import run_checks  # noqa: E402
+
+SCENARIO = sys.argv[1]
+
+if SCENARIO == "mpi4py_first":
+    from mpi4py import MPI  # initialises MPI before tf_mpi does
+    import tensorflow as tf
+    import tf_mpi as hvd
+    WORLD_RANK = MPI.COMM_WORLD.Get_rank()
+else:
+    import tensorflow as tf
+    import tf_mpi as hvd
+    hvd.init()
+    WORLD_RANK = hvd.rank()
+
+
+def sum_of_ranks(name, n=None):
+    n = hvd.size() if n is None else n
+    y = hvd.allreduce(tf.constant([float(hvd.rank())]), op=hvd.Sum, name=name)
+    assert float(y[0]) == sum(range(n)), (name, float(y[0]))
+
+
+if SCENARIO == "mpi4py_first":
+    def check_init_with_a_list_of_ranks():
+        # World has 3 ranks; run on ranks 0 and 2 only. Rank 1 must get a clear error.
+        try:
+            hvd.init(comm=[0, 2])
+        except ValueError as e:
+            assert WORLD_RANK == 1 and "not in the ranks" in str(e), str(e)
+            return
+        assert WORLD_RANK in (0, 2) and hvd.size() == 2 and hvd.rank() == WORLD_RANK // 2
+        sum_of_ranks("sub.list")
+        hvd.shutdown()
+
+    def check_init_with_an_mpi4py_communicator():
+        # A split in reverse rank order: tf_mpi's rank follows the communicator.
+        comm = MPI.COMM_WORLD.Split(color=0, key=-WORLD_RANK)
+        hvd.init(comm=comm)
+        assert hvd.size() == comm.Get_size() and hvd.rank() == comm.Get_size() - 1 - WORLD_RANK
+        sum_of_ranks("sub.mpi4py")
+        # mpi4py keeps working beside the engine.
+        assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.Get_size()
+        assert comm.allreduce(hvd.rank()) == sum(range(hvd.size()))
+
+elif SCENARIO == "tf_mpi_first":
+    def check_mpi4py_after_tf_mpi():
+        from mpi4py import MPI
+        assert MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        assert MPI.COMM_WORLD.allreduce(hvd.rank()) == sum(range(hvd.size()))
+        sum_of_ranks("after.mpi4py")
+
+    def check_shutdown_and_init_again():
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+        try:
+            hvd.allreduce(tf.constant([1.0]), name="while.down")
+            raise AssertionError("no error after shutdown")
+        except tf.errors.FailedPreconditionError as e:
+            assert "not been initialized" in e.message
+        hvd.init()
+        sum_of_ranks("after.reinit")
+
+    def check_one_rank_shutting_down_fails_the_others_promptly():
+        if hvd.rank() == 1:
+            hvd.shutdown()
+        else:
+            start = time.time()
+            try:
+                hvd.allreduce(tf.constant([1.0]), name="needs.rank1")
+                raise AssertionError("no error although rank 1 shut down")
+            except tf.errors.AbortedError as e:
+                assert "rank 1 called shutdown()" in e.message, e.message
+            assert time.time() - start < 20
+            hvd.shutdown()
+        hvd.init()
+        sum_of_ranks("after.partial.shutdown")
+
+elif SCENARIO == "stall":
+    # Run with TF_MPI_STALL_CHECK_TIME_SECONDS=1 TF_MPI_STALL_SHUTDOWN_TIME_SECONDS=4.
+    def check_stalled_collective_fails_instead_of_hanging():
+        if hvd.rank() == 0:
+            start = time.time()
+            try:
+                hvd.allreduce(tf.constant([1.0]), name="only.rank0.submits.this")
+                raise AssertionError("a stalled collective returned")
+            except tf.errors.AbortedError as e:
+                assert "stalled" in e.message and "never submitted by rank 1" in e.message, e.message
+            assert time.time() - start < 30
+        else:
+            time.sleep(6)
+        sum_of_ranks("after.stall")
+
+
+if __name__ == "__main__":
+    if SCENARIO == "abort":
+        if hvd.rank() == 1:
+            time.sleep(1)
+            raise RuntimeError("boom on rank 1")
+        hvd.allreduce(tf.constant([1.0]), name="rank1.never.comes")
+        time.sleep(120)  # must never get here; the job is aborted first
+    else:
+        run_checks(globals(), WORLD_RANK)

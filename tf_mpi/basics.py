@@ -3,7 +3,6 @@
 This module does not import TensorFlow; it talks to the engine through the
 pybind11 binding ``tf_mpi._core``.
 """
-import atexit
 import os
 import sys
 import traceback
@@ -26,7 +25,6 @@ Product = 4
 Adasum = 5
 
 _OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product", Adasum: "Adasum"}
-_atexit_registered = False
 _previous_excepthook = None
 
 
@@ -51,7 +49,6 @@ def init(comm=None):
         hvd.init()
         print(f"rank {hvd.rank()} of {hvd.size()}")
     """
-    global _atexit_registered
     if comm is None:
         _core.init()
     elif isinstance(comm, (list, tuple)):
@@ -60,9 +57,6 @@ def init(comm=None):
         _core.init(fortran_comm=comm.py2f())
     else:
         raise TypeError(f"init(comm=...) takes None, an mpi4py communicator or a list of ranks, not {type(comm)}")
-    if not _atexit_registered:
-        atexit.register(_core.finalize)
-        _atexit_registered = True
     _install_excepthook()
 
 

@@ -274,29 +274,30 @@ void Engine::Loop() {
     outbox.Reap();
     if (done) break;
 
-    // 3. Wait for work without a fixed cycle: spin briefly after activity
-    // (steady-state steps arrive close together), then sleep in short slices
-    // that a new submission cuts short.
+    // 3. Wait without a fixed cycle. For spin_us after any activity, spin
+    // (yielding the CPU): in a training step the next submission, decision or
+    // peer usually comes within microseconds, and a sleeping thread takes tens
+    // of microseconds to wake. Then poll in slices of at most poll_us that a
+    // new submission cuts short. With nothing in flight a worker sleeps until
+    // a submission; rank 0 keeps listening for announcements, 1 ms apart.
     if (progressed) {
       last_activity = Clock::now();
       continue;
     }
     const bool expecting = !in_flight.empty() || stop_announced || (rank == 0 && coord->HasPending());
-    std::unique_lock<std::mutex> lock(mu_);
-    auto has_news = [&] { return !queue_.empty() || stop_requested_ != stop_requested; };
-    if (rank != 0 && !expecting) {
-      // Nothing can arrive that concerns this rank until it submits something.
-      cv_.wait(lock, has_news);
-      continue;
-    }
     const auto idle = Clock::now() - last_activity;
     if (idle < std::chrono::microseconds(config_.spin_us)) {
-      lock.unlock();
       std::this_thread::yield();
       continue;
     }
-    const auto slice = expecting ? std::chrono::microseconds(config_.poll_us) : std::chrono::microseconds(1000);
-    cv_.wait_for(lock, std::min<Clock::duration>(slice, idle / 4 + std::chrono::microseconds(1)), has_news);
+    std::unique_lock<std::mutex> lock(mu_);
+    auto has_news = [&] { return !queue_.empty() || stop_requested_ != stop_requested; };
+    if (rank != 0 && !expecting) {
+      cv_.wait(lock, has_news);  // nothing can arrive that concerns this rank
+    } else {
+      const Clock::duration slice = expecting ? std::chrono::microseconds(config_.poll_us) : std::chrono::milliseconds(1);
+      cv_.wait_for(lock, std::min<Clock::duration>(slice, idle / 4 + std::chrono::microseconds(1)), has_news);
+    }
   }
 
   FailAll(&in_flight, "tf_mpi: shut down while this collective was pending");

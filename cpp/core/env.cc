@@ -34,7 +34,7 @@ EngineConfig EngineConfig::FromEnv() {
   c.cache_capacity = EnvInt("TF_MPI_CACHE_CAPACITY", 4096);
   c.stall_check_s = EnvDouble("TF_MPI_STALL_CHECK_TIME_SECONDS", 60.0);
   c.stall_shutdown_s = EnvDouble("TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", 0.0);
-  c.spin_us = EnvInt("TF_MPI_SPIN_US", 50);
+  c.spin_us = EnvInt("TF_MPI_SPIN_US", 250);
   c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
   if (c.chunk_bytes <= 0) c.chunk_bytes = 1ll << 20;
   if (c.fusion_threshold_bytes < 0) c.fusion_threshold_bytes = 0;

@@ -15,7 +15,7 @@ struct EngineConfig {
   int64_t cache_capacity;          // TF_MPI_CACHE_CAPACITY; 0 disables the response cache
   double stall_check_s;            // TF_MPI_STALL_CHECK_TIME_SECONDS; 0 disables warnings
   double stall_shutdown_s;         // TF_MPI_STALL_SHUTDOWN_TIME_SECONDS; 0 = wait forever
-  int64_t spin_us;                 // TF_MPI_SPIN_US: busy-poll this long after activity
+  int64_t spin_us;                 // TF_MPI_SPIN_US: spin this long after activity
   int64_t poll_us;                 // TF_MPI_POLL_US: then poll at most this far apart
   static EngineConfig FromEnv();
   std::string ToString() const;

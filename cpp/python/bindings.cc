@@ -115,6 +115,13 @@ PYBIND11_MODULE(_core, m) {
           Status s;
           { py::gil_scoped_release release; s = E().Init(opts); }
           Raise(s);
+          // Shut the engine down (and finalise MPI if we started it) at
+          // interpreter exit, before mpi4py's own finaliser runs.
+          static bool registered = false;
+          if (!registered) {
+            py::module_::import("atexit").attr("register")(py::module_::import("tf_mpi._core").attr("finalize"));
+            registered = true;
+          }
         }, py::arg("fortran_comm") = py::none(), py::arg("ranks") = std::vector<int>{});
   m.def("shutdown", [] { py::gil_scoped_release release; E().Shutdown(); });
   m.def("finalize", [] { py::gil_scoped_release release; Engine::Finalize(); });

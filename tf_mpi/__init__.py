@@ -10,7 +10,7 @@ Example (run with ``mpirun -np 2 python train.py``)::
     hvd.init()
     total = hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)
 """
-from tf_mpi.basics import (
+from tf_mpi.basics import (  # noqa: F401
     Average, Sum, Min, Max, Product, Adasum,
     init, shutdown, is_initialized, rank, size, local_rank, local_size, cross_rank, cross_size,
     mpi_threads_supported, mpi_enabled, mpi_built, gloo_built, nccl_built, ccl_built, ddl_built,
@@ -18,8 +18,11 @@ from tf_mpi.basics import (
 )
 from tf_mpi.compression import Compression
 from tf_mpi.ops import (
-    allreduce, grouped_allreduce, allgather, broadcast,
+    allreduce, grouped_allreduce, allgather, broadcast, grouped_broadcast,
     rank_op, size_op, local_rank_op, local_size_op,
 )
+from tf_mpi.functions import broadcast_variables
+from tf_mpi.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from tf_mpi import grouping
 
 __version__ = "0.1.0"

@@ -28,8 +28,19 @@ def _name(name):
     return "" if name is None else str(name)
 
 
+def _check_not_xla():
+    """tf_mpi's kernels have no XLA implementation; say so at trace time."""
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            "tf_mpi collectives cannot run inside an XLA-compiled function (jit_compile=True). Keras 3 "
+            "compiles train_step with XLA by default when a GPU is visible: pass jit_compile=False to "
+            "model.compile(), or drop jit_compile=True from your tf.function.")
+
+
 def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
     """The raw op: one dense tensor, no compression."""
+    _check_not_xla()
     return _lib.tf_mpi_allreduce(tensor, reduce_op=op, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, tensor_name=_name(name))
 
@@ -98,6 +109,7 @@ def grouped_allreduce(tensors, op=Average, name=None, prescale_factor=1.0, posts
             out[i] = _allreduce_indexed_slices(t, op, None if name is None else f"{name}.{i}",
                                                prescale_factor, postscale_factor)
     if dense_idx:
+        _check_not_xla()
         pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
         reduced = _lib.tf_mpi_grouped_allreduce([p[0] for p in pairs], reduce_op=op,
                                                 prescale_factor=prescale_factor,
@@ -114,6 +126,7 @@ def allgather(tensor, name=None):
 
         hvd.allgather(tf.fill([hvd.rank() + 1], hvd.rank()))  # 2 ranks: [0, 1, 1]
     """
+    _check_not_xla()
     return _lib.tf_mpi_allgather([tf.convert_to_tensor(tensor)], tensor_name=_name(name))[0]
 
 
@@ -124,7 +137,22 @@ def broadcast(tensor, root_rank, name=None):
 
         w = hvd.broadcast(w, root_rank=0)
     """
+    _check_not_xla()
     return _lib.tf_mpi_broadcast([tf.convert_to_tensor(tensor)], root_rank=root_rank, tensor_name=_name(name))[0]
+
+
+def grouped_broadcast(tensors, root_rank, name=None):
+    """Broadcasts a list of tensors (any dtypes) from root_rank as one collective.
+
+    Example::
+
+        values = hvd.grouped_broadcast([w.value() for w in model.weights], root_rank=0)
+    """
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    _check_not_xla()
+    return _lib.tf_mpi_broadcast(tensors, root_rank=root_rank, tensor_name=_name(name))
 
 
 def rank_op(name=None):

@@ -36,8 +36,7 @@ void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
   if (departed_count_ > 0) {
     std::vector<int> gone;
     for (int r = 0; r < size_; ++r) if (departed_[r]) gone.push_back(r);
-    Fail(name, "tf_mpi: " + std::string(CollectiveName(meta.type)) + " '" + name + "' cannot complete: " +
-                   RankList(gone) + " already called shutdown()");
+    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: " + RankList(gone) + " called shutdown()");
     return;
   }
   Pending& p = pending_[name];

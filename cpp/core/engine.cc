@@ -161,7 +161,7 @@ void Engine::Loop() {
   ResponseCache cache(static_cast<size_t>(config_.cache_capacity));
   std::unique_ptr<Coordinator> coord;
   if (rank == 0) coord = std::make_unique<Coordinator>(size, &cache, config_.stall_check_s, config_.stall_shutdown_s);
-  Executor executor(&mpi_, config_);
+  Executor executor(&mpi_, config_, &stats_);
   InFlight in_flight;
   Outbox outbox;
   bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "env.h"
+#include "executor.h"
 #include "mpi_context.h"
 #include "request.h"
 
@@ -43,12 +44,15 @@ class Engine {
   // it and does not call r->done; otherwise r->done is called exactly once.
   Status Enqueue(std::unique_ptr<Request> r);
 
+  const ExecutorStats& stats() const { return stats_; }
+
  private:
   Engine() = default;
   void Loop();
   Status Validate(const Request& r) const;
 
   MpiContext mpi_;
+  ExecutorStats stats_;
   EngineConfig config_{};
   std::atomic<bool> initialized_{false};
   std::thread thread_;

@@ -22,6 +22,7 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
       if (it != in_flight->end()) {
         it->second->done(Status::Aborted(d.response.error));
         in_flight->erase(it);
+        ++stats_->errors;
       }
     } else if (d.kind == Decision::Kind::kExecuteCached) {
       responses.push_back(cache->Get(d.cache_id));
@@ -49,6 +50,7 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
     auto it = in_flight->find(r.meta.name);
     it->second->done(Status::OK());
     in_flight->erase(it);
+    ++stats_->requests;
   }
   return true;
 }
@@ -67,6 +69,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     }
   }
   for (const FusionBucket& b : PlanFusion(items, fusion_threshold_)) {
+    ++stats_->allreduce_buckets;
     const Slot& first = slots[b.items[0]];
     const DataType dtype = first.req->meta.tensors[first.t].dtype;
     const ReduceOp op = first.req->meta.op;

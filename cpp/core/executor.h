@@ -3,6 +3,7 @@
 // requests. Every rank runs the same decisions in the same order.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -18,15 +19,23 @@ namespace tfmpi {
 
 using InFlight = std::unordered_map<std::string, std::unique_ptr<Request>>;
 
+// Counters since process start, read from other threads: requests completed,
+// requests failed, and allreduce buckets (one fused buffer or direct tensor each).
+struct ExecutorStats {
+  std::atomic<int64_t> requests{0}, errors{0}, allreduce_buckets{0};
+};
+
 class Executor {
  public:
-  Executor(const MpiContext* mpi, const EngineConfig& config)
-      : mpi_(mpi), collectives_(mpi, config.chunk_bytes), fusion_threshold_(config.fusion_threshold_bytes) {}
+  Executor(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats)
+      : mpi_(mpi), collectives_(mpi, config.chunk_bytes), fusion_threshold_(config.fusion_threshold_bytes),
+        stats_(stats) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
   // not have (a protocol error: the caller must abort rather than hang).
   bool Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache);
+
 
  private:
   struct Work { Request* request; const Response* response; };
@@ -39,6 +48,7 @@ class Executor {
   Collectives collectives_;
   int64_t fusion_threshold_;
   std::vector<char> fusion_buffer_;  // reused across steps; grows to the threshold
+  ExecutorStats* stats_;
 };
 
 }  // namespace tfmpi

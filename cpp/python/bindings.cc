@@ -135,6 +135,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("cross_size", [] { return Ctx().cross_size(); });
   m.def("mpi_threads_supported", [] { Ctx(); return MpiContext::ThreadMultiple(); });
   m.def("config", [] { return E().config().ToString(); });
+  m.def("stats", [] {
+    const ExecutorStats& s = E().stats();
+    return py::dict(py::arg("requests") = s.requests.load(), py::arg("errors") = s.errors.load(),
+                    py::arg("allreduce_buckets") = s.allreduce_buckets.load());
+  }, "Counters since process start: completed requests, failed requests, allreduce buckets executed.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("op"), py::arg("name"),
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
   m.def("allgather", &Allgather, py::arg("array"), py::arg("name"));

@@ -1,0 +1,223 @@
+"""Which gradients are reduced together: the grouping plan.
+
+Backprop produces gradients last layer first. Reducing them in groups that
+follow that order lets the first groups' communication run while backprop
+still computes the rest (wait-free backpropagation). The plan:
+
+1. **Order** gradients by when backprop produces them. Inside ``tf.function``
+   this is read from the graph: the creation index of each gradient's
+   producing op (``tape.gradient`` emits ops in backprop order). In eager code
+   the variable list reversed is used.
+2. **Cut** that order into contiguous groups of at most ``threshold_bytes``
+   (default ``TF_MPI_GROUP_BYTES`` = 4 MiB); a larger tensor forms its own group.
+3. **Merge** with an alpha-beta cost model (as in MG-WFBP): a message costs
+   ``alpha + beta * bytes``. A group whose transfer time ``beta * bytes`` is
+   below the per-message latency ``alpha`` is latency-bound; it is merged into
+   the next group (if the sum stays within the threshold), which saves
+   ``alpha`` and costs little, since the next tensors are ready soon after. ``alpha`` and ``beta`` are measured once with probe
+   allreduces and rank 0's values are used everywhere, so every rank derives
+   the same plan.
+
+``num_groups`` (equal-byte contiguous groups) or explicit ``groups`` (lists of
+variables) override steps 2-3. Every rank checks at trace time that all ranks
+derived the same plan and raises a clear error otherwise.
+
+Example::
+
+    opt = tf_mpi.keras.DistributedOptimizer(keras.optimizers.Adam())
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, epochs=1)
+    print(opt.grouping_plan.describe())
+"""
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEFAULT_GROUP_BYTES = 4 << 20
+
+
+@dataclass
+class CostModel:
+    """Per-message latency ``alpha`` (s) and per-byte cost ``beta`` (s/byte) of an allreduce."""
+    alpha: float
+    beta: float
+
+    @property
+    def break_even_bytes(self):
+        """Message size at which transfer time equals latency (alpha / beta)."""
+        return self.alpha / self.beta if self.beta > 0 else float("inf")
+
+
+_cost_model = None
+
+
+def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=5):
+    """Measures alpha and beta with probe allreduces (collective: call on every rank).
+
+    The result is rank 0's (broadcast), so plans derived from it agree
+    everywhere. It is measured once per process and cached.
+    """
+    global _cost_model
+    if _cost_model is not None:
+        return _cost_model
+    from tf_mpi.basics import _core, Sum
+    times = {}
+    for nbytes in (small_bytes, large_bytes):
+        x = np.ones(nbytes // 4, np.float32)
+        _core.allreduce(x, Sum, f"tfmpi.costmodel.{nbytes}")  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _core.allreduce(x, Sum, f"tfmpi.costmodel.{nbytes}")
+            samples.append(time.perf_counter() - start)
+        times[nbytes] = float(np.median(samples))
+    beta = max((times[large_bytes] - times[small_bytes]) / (large_bytes - small_bytes), 1e-12)
+    alpha = max(times[small_bytes] - beta * small_bytes, 1e-7)
+    shared = _core.broadcast(np.array([alpha, beta], np.float64), 0, "tfmpi.costmodel.share")
+    _cost_model = CostModel(float(shared[0]), float(shared[1]))
+    return _cost_model
+
+
+@dataclass
+class Group:
+    """Gradients reduced by one grouped allreduce, in the order they are produced."""
+    indices: list
+    names: list
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    """The grouping of one gradient list. ``groups[0]`` is communicated first."""
+    groups: list
+    order: list
+    source: str
+    threshold_bytes: int = 0
+    cost_model: CostModel = None
+    fingerprint: str = field(default="", repr=False)
+
+    def describe(self):
+        """A human-readable table of the plan."""
+        lines = [f"grouping plan ({self.source}): {len(self.groups)} groups"
+                 + (f", threshold {self.threshold_bytes} B" if self.threshold_bytes else "")
+                 + (f", alpha {self.cost_model.alpha * 1e6:.1f} us, beta {self.cost_model.beta * 1e9:.3f} ns/B"
+                    if self.cost_model else "")]
+        for k, g in enumerate(self.groups):
+            lines.append(f"  group {k}: {g.nbytes} B, {len(g.indices)} tensors: {', '.join(g.names)}")
+        return "\n".join(lines)
+
+
+def _nbytes(t):
+    return int(np.prod(t.shape.as_list())) * t.dtype.size
+
+
+def production_order(grads):
+    """Indices of `grads` in the order backprop produces them.
+
+    Symbolic gradients (inside tf.function) are ordered by the creation index
+    of their producing op; eager gradients by reversed position.
+    """
+    def op_of(g):
+        values = getattr(g, "values", g)  # IndexedSlices -> its values
+        try:
+            return values.op
+        except AttributeError:  # eager tensors have no op
+            return None
+
+    ops = [op_of(g) for g in grads]
+    if all(op is not None for op in ops):
+        return sorted(range(len(grads)), key=lambda i: (ops[i]._id, -i))
+    return list(reversed(range(len(grads))))
+
+
+def _split_by_bytes(order, sizes, threshold):
+    groups, current, current_bytes = [], [], 0
+    for i in order:
+        if current and current_bytes + sizes[i] > threshold:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += sizes[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _merge_latency_bound(groups, sizes, cost_model, threshold):
+    """Merges each group whose transfer time is below alpha into the next one,
+    as long as the result stays within the byte threshold."""
+    nbytes = lambda g: sum(sizes[i] for i in g)  # noqa: E731
+    merged = []
+    for g in groups:
+        if merged and cost_model.beta * nbytes(merged[-1]) < cost_model.alpha \
+                and nbytes(merged[-1]) + nbytes(g) <= threshold:
+            merged[-1] = merged[-1] + g
+        else:
+            merged.append(list(g))
+    return merged
+
+
+def _equal_bytes(order, sizes, num_groups):
+    total = sum(sizes[i] for i in order)
+    groups, current, acc = [], [], 0
+    for i in order:
+        current.append(i)
+        acc += sizes[i]
+        if acc >= total * (len(groups) + 1) / num_groups and len(groups) < num_groups - 1:
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups
+
+
+def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None, cost_model=None):
+    """Builds the grouping plan for `grads` (dense tensors) of `variables`.
+
+    Args:
+      grads: gradient tensors (symbolic inside tf.function, or eager).
+      variables: the matching variables (for names and explicit groups).
+      threshold_bytes: largest group; default TF_MPI_GROUP_BYTES or 4 MiB.
+      num_groups: if > 0, that many contiguous groups of about equal bytes.
+      groups: explicit lists of variables; variables in no list form one last group.
+      cost_model: a CostModel; default: measured once (collective).
+    """
+    sizes = [_nbytes(g) for g in grads]
+    names = [getattr(v, "path", None) or getattr(v, "name", str(i)) for i, v in enumerate(variables)]
+    order = production_order(grads)
+    model = None
+    if groups:
+        position = {id(v): k for k, group in enumerate(groups) for v in group}
+        buckets = [[] for _ in range(len(groups) + 1)]
+        for i in order:
+            buckets[position.get(id(variables[i]), len(groups))].append(i)
+        index_groups = [b for b in buckets if b]
+        source, threshold = "explicit groups", 0
+    elif num_groups and num_groups > 0:
+        index_groups = _equal_bytes(order, sizes, num_groups)
+        source, threshold = f"num_groups={num_groups}", 0
+    else:
+        threshold = int(threshold_bytes or os.environ.get("TF_MPI_GROUP_BYTES", DEFAULT_GROUP_BYTES))
+        model = cost_model or measure_cost_model()
+        index_groups = _merge_latency_bound(_split_by_bytes(order, sizes, threshold), sizes, model, threshold)
+        source = "backprop order, byte threshold, alpha-beta merge"
+    plan = Plan([Group(g, [names[i] for i in g], sum(sizes[i] for i in g)) for g in index_groups],
+                order, source, threshold, model)
+    signature = repr([(g.names, g.nbytes) for g in plan.groups]).encode()
+    plan.fingerprint = hashlib.sha256(signature).hexdigest()
+    return plan
+
+
+def verify_same_plan_everywhere(plan, name):
+    """Raises ValueError on every rank if the ranks derived different plans (collective)."""
+    from tf_mpi.basics import _core, Min, Max
+    h = np.array([int(plan.fingerprint[:15], 16)], np.int64)
+    lo = _core.allreduce(h, Min, f"tfmpi.plancheck.{name}.min")
+    hi = _core.allreduce(h, Max, f"tfmpi.plancheck.{name}.max")
+    if lo[0] != hi[0]:
+        raise ValueError(
+            f"tf_mpi: ranks derived different gradient grouping plans for '{name}' (plan hashes differ). "
+            "Every rank must build the same model and optimizer. This rank's plan:\n" + plan.describe())

@@ -1,0 +1,202 @@
+"""DistributedOptimizer for Keras 3: reduces gradients across ranks inside apply().
+
+Where the reduction sits in Keras 3's ``apply()`` matters (each point below
+has a test in tests/workers/keras_worker.py):
+
+- Plain optimizers: gradients are reduced in ``_clip_gradients``, the first
+  thing Keras does with them after filtering empty gradients and unscaling:
+  so before clipping (``clipnorm``, ``global_clipnorm``), and, with Keras'
+  own ``gradient_accumulation_steps``, inside the update branch, i.e. once
+  per accumulation cycle on the accumulated gradients.
+- ``LossScaleOptimizer`` (``mixed_float16``): gradients are reduced at the
+  start of its ``apply()``, before the finiteness check, so every rank takes
+  the same skip/apply branch and loss-scale update. ``DistributedOptimizer``
+  returns such an optimizer when given one, or when the global policy is
+  ``mixed_float16`` (what ``model.compile`` would wrap it in anyway).
+- ``backward_passes_per_step=k``: gradients are accumulated locally and
+  reduced and applied every k-th step (communication once per k steps).
+"""
+import keras
+import tensorflow as tf
+
+from tf_mpi.basics import Average
+from tf_mpi.compression import Compression
+from tf_mpi.reducer import GradientReducer
+
+LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+
+
+class _DistributedMixin:
+    """Mixed into a copy of the wrapped optimizer's class (so isinstance and
+    serialization keep working)."""
+
+    _tfmpi_reducer = None
+    _tfmpi_passes = 1
+    _tfmpi_average_aggregated = False
+
+    def _tfmpi_configure(self, reducer, backward_passes_per_step, average_aggregated_gradients):
+        self._tfmpi_reducer = reducer
+        self._tfmpi_passes = int(backward_passes_per_step)
+        self._tfmpi_average_aggregated = average_aggregated_gradients
+        if self._tfmpi_passes < 1:
+            raise ValueError("tf_mpi: backward_passes_per_step must be >= 1")
+
+    def _tfmpi_get_reducer(self):
+        if self._tfmpi_reducer is None:  # e.g. created by from_config / load_model
+            self._tfmpi_reducer = GradientReducer(f"Distributed{type(self).__name__}")
+        return self._tfmpi_reducer
+
+    @property
+    def grouping_plan(self):
+        """The grouping plan of the last traced step (tf_mpi.grouping.Plan), or None."""
+        return self._tfmpi_get_reducer().plan
+
+    def _tfmpi_reduce(self, grads, variables):
+        return self._tfmpi_get_reducer().reduce(grads, variables)
+
+
+class _DistributedPlain(_DistributedMixin):
+    def _clip_gradients(self, grads):
+        # Called by Keras with the filtered gradients of self._tfmpi_vars.
+        grads = self._tfmpi_reduce(grads, self._tfmpi_vars)
+        return super()._clip_gradients(grads)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Bypass Keras' attribute tracking: a tracked list of variables would
+        # become part of the optimizer's state (and break saving).
+        object.__setattr__(self, "_tfmpi_vars", tuple(trainable_variables))
+        return super()._backend_apply_gradients(grads, trainable_variables)
+
+    def apply(self, grads, trainable_variables=None):
+        if self._tfmpi_passes == 1:
+            return super().apply(grads, trainable_variables)
+        return self._tfmpi_apply_every_k(list(grads), trainable_variables)
+
+    def build(self, variables):
+        if not self.built and self._tfmpi_passes > 1:
+            # Local gradient sums between reductions (backward_passes_per_step).
+            self._tfmpi_accumulators = [
+                self.add_variable_from_reference(v, name="tfmpi_accumulator") for v in variables]
+            self._tfmpi_counter = self.add_variable((), name="tfmpi_passes", dtype="int64")
+        super().build(variables)
+
+    def _tfmpi_apply_every_k(self, grads, trainable_variables):
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        if not self.built:
+            self.build(variables)
+        position = {id(v): i for i, v in enumerate(self._trainable_variables)}
+        acc = [self._tfmpi_accumulators[position[id(v)]] for v in variables]
+        for a, g in zip(acc, grads):
+            if g is not None:
+                a.assign_add(tf.convert_to_tensor(g))
+        self._tfmpi_counter.assign_add(1)
+        k = self._tfmpi_passes
+
+        def apply_accumulated():
+            scale = 1.0 / k if self._tfmpi_average_aggregated else 1.0
+            summed = [None if g is None else a.value * scale for a, g in zip(acc, grads)]
+            super(_DistributedPlain, self).apply(summed, variables)
+            for a in acc:
+                a.assign(tf.zeros_like(a))
+            return tf.constant(True)
+
+        return tf.cond(self._tfmpi_counter % k == 0, apply_accumulated, lambda: tf.constant(False))
+
+
+class _DistributedLossScale(_DistributedMixin):
+    def apply(self, grads, trainable_variables=None):
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        grads = self._tfmpi_reduce(list(grads), variables)
+        return super().apply(grads, trainable_variables)
+
+
+_class_cache = {}
+
+
+def _distributed_class(base):
+    """A subclass of `base` with the reduction mixed in, cached per base."""
+    if base not in _class_cache:
+        mixin = _DistributedLossScale if issubclass(base, LossScaleOptimizer) else _DistributedPlain
+        cls = type(base.__name__, (mixin, base), {"__module__": base.__module__, "__doc__": base.__doc__})
+        _class_cache[base] = cls
+    return _class_cache[base]
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                         sparse_as_dense=False, backward_passes_per_step=1, average_aggregated_gradients=False,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None):
+    """Wraps a Keras 3 optimizer so that gradients are averaged across ranks before they are applied.
+
+    Returns a new optimizer of a subclass of ``type(optimizer)`` with the same
+    configuration: use it wherever the original was (``model.compile``,
+    ``get_config``/``from_config``, ``optimizer.learning_rate``, saving).
+
+    Args:
+      optimizer: any Keras 3 optimizer (SGD, Adam, AdamW, RMSprop, ...) or a LossScaleOptimizer.
+      name: prefix of the collectives' names; default "Distributed<Class>".
+      compression: Compression.none or Compression.fp16 (gradients on the wire).
+      sparse_as_dense: densify IndexedSlices gradients (e.g. of Embedding) instead of allgathering them.
+      backward_passes_per_step: reduce and apply once every this many steps, accumulating in between.
+      average_aggregated_gradients: with backward_passes_per_step > 1, average instead of sum the passes.
+      op: Average (default) or Sum.
+      gradient_predivide_factor: split the averaging into a division before and after the sum.
+      num_groups: if > 0, reduce gradients in this many groups of about equal bytes.
+      groups: explicit list of lists of variables to reduce together.
+
+    Example::
+
+        import keras, tf_mpi.keras as hvd
+        hvd.init()
+        opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
+        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
+        model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    """
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("tf_mpi: this optimizer is already a DistributedOptimizer")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"tf_mpi: DistributedOptimizer needs a Keras 3 optimizer, got {type(optimizer)}")
+    if (not isinstance(optimizer, LossScaleOptimizer)
+            and keras.mixed_precision.dtype_policy().name == "mixed_float16"):
+        # model.compile would wrap us in a LossScaleOptimizer, whose finiteness
+        # check would then see unreduced gradients: wrap first, reduce first.
+        optimizer = LossScaleOptimizer(optimizer)
+    if isinstance(optimizer, LossScaleOptimizer) and backward_passes_per_step > 1:
+        raise NotImplementedError("tf_mpi: backward_passes_per_step > 1 with a LossScaleOptimizer is not "
+                                  "supported yet; use the optimizer's gradient_accumulation_steps instead")
+    cls = _distributed_class(type(optimizer))
+    wrapped = cls.from_config(optimizer.get_config())
+    reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", op=op, compression=compression,
+                              sparse_as_dense=sparse_as_dense,
+                              gradient_predivide_factor=gradient_predivide_factor,
+                              num_groups=num_groups, groups=groups)
+    wrapped._tfmpi_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
+    return wrapped
+
+
+def distributed_custom_objects():
+    """custom_objects that load every Keras optimizer class as its distributed version."""
+    objects = {}
+    for attr in dir(keras.optimizers):
+        base = getattr(keras.optimizers, attr)
+        if isinstance(base, type) and issubclass(base, keras.optimizers.Optimizer) \
+                and base is not keras.optimizers.Optimizer:
+            objects[base.__name__] = _distributed_class(base)
+    return objects
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
+    """``keras.models.load_model`` whose optimizer comes back as a DistributedOptimizer.
+
+    Example::
+
+        model = hvd.load_model("checkpoint.keras")
+    """
+    objects = distributed_custom_objects()
+    for cls in custom_optimizers or []:
+        objects[cls.__name__] = _distributed_class(cls)
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+    opt = getattr(model, "optimizer", None)
+    if isinstance(opt, _DistributedMixin):
+        opt._tfmpi_configure(GradientReducer(f"Distributed{type(opt).__name__}", compression=compression), 1, False)
+    return model

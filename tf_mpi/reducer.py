@@ -1,0 +1,87 @@
+"""Reduces a list of gradients across ranks following a grouping plan.
+
+Shared by the Keras DistributedOptimizer and DistributedGradientTape, so both
+group, compress and average the same way.
+"""
+import tensorflow as tf
+
+from tf_mpi import basics, grouping, ops
+from tf_mpi.basics import Average, Sum
+from tf_mpi.compression import Compression
+
+
+class GradientReducer:
+    """Averages (or sums) gradients over ranks in groups that follow backprop order.
+
+    Args:
+      name: prefix of the collectives' names (must be equal on all ranks).
+      op: Average or Sum.
+      compression: Compression.none or Compression.fp16.
+      sparse_as_dense: densify IndexedSlices instead of allgathering them.
+      gradient_predivide_factor: with op=Average, divide by this before the sum
+        and by size/factor after it (splits the averaging to avoid overflow).
+      num_groups, groups, threshold_bytes: see tf_mpi.grouping.make_plan.
+
+    Example::
+
+        reducer = GradientReducer("my_loop")
+        grads = reducer.reduce(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    """
+
+    def __init__(self, name, op=Average, compression=Compression.none, sparse_as_dense=False,
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None):
+        if op not in (Average, Sum):
+            raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average")
+        self.name, self.op, self.compression = name, op, compression
+        self.sparse_as_dense = sparse_as_dense
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.num_groups, self.groups, self.threshold_bytes = num_groups, groups, threshold_bytes
+        self.plan = None
+        self._verified = set()
+
+    def _scaling(self):
+        """(op, prescale, postscale) for the grouped allreduces."""
+        f = self.gradient_predivide_factor
+        if self.op == Average and f != 1.0:
+            return Sum, 1.0 / f, f / basics.size()
+        return self.op, 1.0, 1.0
+
+    def reduce(self, grads, variables):
+        """Returns the reduced gradients, in the input order (None stays None)."""
+        grads = list(grads)
+        variables = list(variables)
+        if basics.size() == 1:
+            return grads
+        out = list(grads)
+        dense = []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if self.sparse_as_dense:
+                    out[i] = g = tf.convert_to_tensor(g)
+                else:
+                    out[i] = ops.allreduce(g, op=self.op, name=f"{self.name}.sparse.{i}",
+                                           compression=self.compression)
+                    continue
+            dense.append(i)
+        if not dense:
+            return out
+        plan = grouping.make_plan([out[i] for i in dense], [variables[i] for i in dense],
+                                  threshold_bytes=self.threshold_bytes, num_groups=self.num_groups,
+                                  groups=self.groups)
+        if plan.fingerprint not in self._verified:
+            grouping.verify_same_plan_everywhere(plan, self.name)
+            self._verified.add(plan.fingerprint)
+        self.plan = plan
+        op, prescale, postscale = self._scaling()
+        for k, group in enumerate(plan.groups):
+            members = [dense[j] for j in group.indices]
+            reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=f"{self.name}.group{k}",
+                                            prescale_factor=prescale, postscale_factor=postscale,
+                                            compression=self.compression)
+            for i, r in zip(members, reduced):
+                out[i] = r
+        return out

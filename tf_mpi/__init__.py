@@ -18,10 +18,14 @@ from tf_mpi.basics import (  # noqa: F401
 )
 from tf_mpi.compression import Compression
 from tf_mpi.ops import (
-    allreduce, grouped_allreduce, allgather, broadcast, grouped_broadcast,
+    allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast, grouped_broadcast,
+    alltoall, reducescatter, grouped_reducescatter,
     rank_op, size_op, local_rank_op, local_size_op,
 )
-from tf_mpi.functions import broadcast_variables
+from tf_mpi.functions import (
+    broadcast_variables, broadcast_object, broadcast_object_fn, allgather_object, barrier,
+)
+from tf_mpi import data
 from tf_mpi.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from tf_mpi import grouping
 

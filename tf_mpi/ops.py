@@ -155,6 +155,57 @@ def grouped_broadcast(tensors, root_rank, name=None):
     return _lib.tf_mpi_broadcast(tensors, root_rank=root_rank, tensor_name=_name(name))
 
 
+def alltoall(tensor, splits=None, name=None):
+    """Sends ``splits[j]`` rows of ``tensor`` (in order) to rank j; returns ``(received, received_splits)``.
+
+    Without ``splits`` dim 0 is divided equally (it must divide evenly).
+    ``received`` concatenates what each rank sent to this one, in rank order.
+
+    Example::
+
+        # 2 ranks, rank r sends [r, r] to rank 0 and [10 + r] to rank 1
+        out, counts = hvd.alltoall(tf.constant([r, r, 10 + r]), splits=[2, 1])
+        # rank 0: [0, 0, 1, 1], counts [2, 2];  rank 1: [10, 11], counts [1, 1]
+    """
+    _check_not_xla()
+    splits = tf.zeros([0], tf.int64) if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
+    return _lib.tf_mpi_alltoall(tf.convert_to_tensor(tensor), splits, tensor_name=_name(name))
+
+
+def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces ``tensor`` over ranks and gives each rank a slice of the result along dim 0.
+
+    Rank r gets rows [r*q + min(r, m), ...) of q = rows // size, the first m = rows % size ranks
+    one row more. ``op`` is Average or Sum.
+
+    Example::
+
+        part = hvd.reducescatter(tf.ones([4, 2]), op=hvd.Sum)  # 2 ranks: a [2, 2] tensor of 2.0 each
+    """
+    return grouped_reducescatter([tensor], op, name, prescale_factor, postscale_factor)[0]
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0):
+    """reducescatter of several tensors negotiated as one unit."""
+    if op not in (Average, Sum):
+        raise ValueError("tf_mpi: reducescatter supports op=Average or op=Sum")
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    _check_not_xla()
+    return _lib.tf_mpi_reducescatter(tensors, reduce_op=op, prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor, tensor_name=_name(name))
+
+
+def grouped_allgather(tensors, name=None):
+    """allgather of several tensors negotiated as one unit."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    _check_not_xla()
+    return _lib.tf_mpi_allgather(tensors, tensor_name=_name(name))
+
+
 def rank_op(name=None):
     """This rank as an int32 scalar op (for graphs)."""
     return _lib.tf_mpi_rank(name=name)
@@ -207,6 +258,27 @@ def _allgather_grad(op, *grads):
         start = tf.reduce_sum(rows[:rank_op()])
         out.append(tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(g) - 1], tf.int64)], 0),
                             tf.shape(x, out_type=tf.int64)))
+    return out
+
+
+@tf.RegisterGradient("TfMpiAlltoall")
+def _alltoall_grad(op, grad, _):
+    # Send each gradient row back to where its forward row came from.
+    back, _ = _lib.tf_mpi_alltoall(grad, op.outputs[1])
+    return back, None
+
+
+@tf.RegisterGradient("TfMpiReducescatter")
+def _reducescatter_grad(op, *grads):
+    # Each input row reached one rank's output; gather the output gradients back.
+    reduce_op = op.get_attr("reduce_op")
+    scale = op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
+    if reduce_op == Average:
+        scale /= basics.size()
+    out = []
+    for x, g in zip(op.inputs, grads):
+        full = _lib.tf_mpi_allgather([g])[0]
+        out.append(full * tf.cast(scale, full.dtype) if scale != 1.0 else full)
     return out
 
 

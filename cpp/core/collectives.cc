@@ -44,6 +44,43 @@ void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t
   MPI_Type_free(&row);
 }
 
+namespace {
+// MPI counts and displacements are ints: refuse (loudly) what does not fit.
+std::vector<int> ToInts(const std::vector<int64_t>& v, const char* what) {
+  std::vector<int> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] > INT_MAX) throw std::runtime_error(std::string("tf_mpi: ") + what + " count above 2^31-1");
+    out[i] = static_cast<int>(v[i]);
+  }
+  return out;
+}
+
+std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> out(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) out[i] = out[i - 1] + counts[i - 1];
+  return out;
+}
+}  // namespace
+
+void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows, int64_t row_bytes) const {
+  if (row_bytes == 0) return;
+  if (row_bytes > INT_MAX) throw std::runtime_error("tf_mpi: alltoall row larger than 2 GiB");
+  MPI_Datatype row;
+  MPI_Type_contiguous(static_cast<int>(row_bytes), MPI_BYTE, &row);
+  MPI_Type_commit(&row);
+  std::vector<int> sc = ToInts(send_rows, "alltoall"), rc = ToInts(recv_rows, "alltoall");
+  std::vector<int> sd = ToInts(Offsets(send_rows), "alltoall"), rd = ToInts(Offsets(recv_rows), "alltoall");
+  MPI_Alltoallv(in, sc.data(), sd.data(), row, out, rc.data(), rd.data(), row, mpi_->comm());
+  MPI_Type_free(&row);
+}
+
+void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& recv_counts,
+                                DataType dtype, ReduceOp op) const {
+  std::vector<int> counts = ToInts(recv_counts, "reducescatter");
+  MPI_Reduce_scatter(in, out, counts.data(), mpi_->Type(dtype), mpi_->Op(op, dtype), mpi_->comm());
+}
+
 void Collectives::Broadcast(void* buf, int64_t bytes, int root) const {
   char* p = static_cast<char*>(buf);
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_, INT_MAX));

@@ -19,6 +19,12 @@ class Collectives {
   void Allgather(const void* in, void* out, const std::vector<int64_t>& rows_per_rank,
                  int64_t row_bytes) const;
   void Broadcast(void* buf, int64_t bytes, int root) const;
+  // Sends send_rows[j] rows to rank j and receives recv_rows[j] rows from it.
+  void Alltoall(const void* in, void* out, const std::vector<int64_t>& send_rows,
+                const std::vector<int64_t>& recv_rows, int64_t row_bytes) const;
+  // Reduces `in` (sum of recv_counts elements) and leaves block r on rank r.
+  void ReduceScatter(const void* in, void* out, const std::vector<int64_t>& recv_counts, DataType dtype,
+                     ReduceOp op) const;
 
  private:
   const MpiContext* mpi_;

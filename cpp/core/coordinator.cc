@@ -84,6 +84,9 @@ void Coordinator::Decide(const std::string& name, Pending& p) {
     for (size_t t = 0; t < ref.tensors.size(); ++t)
       for (int r = 0; r < size_; ++r) d.response.dim0[t][r] = p.by_rank[r]->tensors[t].shape[0];
   }
+  if (ref.type == CollectiveType::kAlltoall) {
+    for (int r = 0; r < size_; ++r) d.response.splits.push_back(p.by_rank[r]->splits);
+  }
   if (auto id = cache_->Find(d.response)) {
     d.kind = Decision::Kind::kExecuteCached;
     d.cache_id = *id;

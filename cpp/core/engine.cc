@@ -123,17 +123,34 @@ Status Engine::Validate(const Request& r) const {
     return Status::Invalid("tf_mpi: " + what + ": inputs do not match tensors");
   for (const TensorMeta& t : m.tensors) {
     if (t.dtype >= DataType::kNumTypes) return Status::Invalid("tf_mpi: " + what + ": unsupported dtype");
-    if (m.type == CollectiveType::kAllreduce && t.dtype == DataType::kBool)
-      return Status::Invalid("tf_mpi: " + what + ": allreduce does not support bool tensors");
-    if (m.type == CollectiveType::kAllgather && t.shape.empty())
-      return Status::Invalid("tf_mpi: " + what + ": allgather needs tensors with at least one dimension");
+    const bool reduces = m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter;
+    if (reduces && t.dtype == DataType::kBool)
+      return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) + " does not support bool tensors");
+    if (m.type != CollectiveType::kAllreduce && m.type != CollectiveType::kBroadcast && t.shape.empty())
+      return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) +
+                             " needs tensors with at least one dimension (got a scalar)");
   }
-  if (m.type == CollectiveType::kAllreduce && m.op == ReduceOp::kAdasum)
+  const bool sized_later = m.type == CollectiveType::kAllgather || m.type == CollectiveType::kAlltoall;
+  if ((m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter) && m.op == ReduceOp::kAdasum)
     return Status::Invalid("tf_mpi: Adasum is not implemented yet; use Average or Sum");
-  if (m.type != CollectiveType::kAllgather && r.outputs.size() != m.tensors.size())
+  if (!sized_later && r.outputs.size() != m.tensors.size())
     return Status::Invalid("tf_mpi: " + what + ": outputs do not match tensors");
-  if (m.type == CollectiveType::kAllgather && !r.allocate)
+  if (sized_later && !r.allocate)
     return Status::Invalid("tf_mpi: " + what + ": no output allocator");
+  if (m.type == CollectiveType::kAlltoall) {
+    if (m.tensors.size() != 1) return Status::Invalid("tf_mpi: " + what + ": alltoall takes one tensor");
+    if (static_cast<int>(m.splits.size()) != mpi_.size())
+      return Status::Invalid("tf_mpi: " + what + ": splits has " + std::to_string(m.splits.size()) +
+                             " entries but there are " + std::to_string(mpi_.size()) + " ranks");
+    int64_t total = 0;
+    for (int64_t s : m.splits) {
+      if (s < 0) return Status::Invalid("tf_mpi: " + what + ": negative split");
+      total += s;
+    }
+    if (total != m.tensors[0].shape[0])
+      return Status::Invalid("tf_mpi: " + what + ": splits sum to " + std::to_string(total) +
+                             " but the tensor's first dimension is " + std::to_string(m.tensors[0].shape[0]));
+  }
   if (m.type == CollectiveType::kBroadcast && (m.root < 0 || m.root >= mpi_.size()))
     return Status::Invalid("tf_mpi: " + what + ": root rank " + std::to_string(m.root) + " is out of range for " +
                            std::to_string(mpi_.size()) + " ranks");

@@ -43,8 +43,13 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
   }
   RunAllreduces(allreduces);
   for (const Work& w : others) {
-    if (w.response->meta.type == CollectiveType::kAllgather) RunAllgather(w);
-    else RunBroadcast(w);
+    switch (w.response->meta.type) {
+      case CollectiveType::kAllgather: RunAllgather(w); break;
+      case CollectiveType::kBroadcast: RunBroadcast(w); break;
+      case CollectiveType::kAlltoall: RunAlltoall(w); break;
+      case CollectiveType::kReducescatter: RunReducescatter(w); break;
+      default: break;
+    }
   }
   for (const Response& r : responses) {
     auto it = in_flight->find(r.meta.name);
@@ -115,6 +120,48 @@ void Executor::RunAllgather(const Work& w) {
     void* out = w.request->allocate(t, out_shape);
     const int64_t row_elems = mine[0] == 0 ? NumElements(Shape(mine.begin() + 1, mine.end())) : NumElements(mine) / mine[0];
     collectives_.Allgather(w.request->inputs[t], out, rows, row_elems * DataTypeSize(m.tensors[t].dtype));
+  }
+}
+
+int64_t RowBytes(const TensorMeta& t) {
+  int64_t row = DataTypeSize(t.dtype);
+  for (size_t d = 1; d < t.shape.size(); ++d) row *= t.shape[d];
+  return row;
+}
+
+void Executor::RunAlltoall(const Work& w) {
+  const RequestMeta& m = w.request->meta;
+  const int me = mpi_->rank();
+  std::vector<int64_t> recv(mpi_->size());
+  for (int j = 0; j < mpi_->size(); ++j) recv[j] = w.response->splits[j][me];
+  Shape out_shape = m.tensors[0].shape;
+  out_shape[0] = 0;
+  for (int64_t r : recv) out_shape[0] += r;
+  void* out = w.request->allocate(0, out_shape);
+  auto* received = static_cast<int64_t*>(w.request->allocate(1, Shape{static_cast<int64_t>(recv.size())}));
+  std::copy(recv.begin(), recv.end(), received);
+  collectives_.Alltoall(w.request->inputs[0], out, m.splits, recv, RowBytes(m.tensors[0]));
+}
+
+void Executor::RunReducescatter(const Work& w) {
+  const RequestMeta& m = w.request->meta;
+  const int n = mpi_->size();
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    const TensorMeta& tm = m.tensors[t];
+    const int64_t rows = tm.shape[0], row_elems = RowBytes(tm) / DataTypeSize(tm.dtype);
+    std::vector<int64_t> counts(n);
+    for (int r = 0; r < n; ++r) counts[r] = (rows / n + (r < rows % n ? 1 : 0)) * row_elems;
+    const void* in = w.request->inputs[t];
+    std::vector<char> scaled;
+    if (m.prescale != 1.0) {
+      scaled.resize(NumElements(tm.shape) * DataTypeSize(tm.dtype));
+      ScaleCopy(scaled.data(), in, NumElements(tm.shape), tm.dtype, m.prescale);
+      in = scaled.data();
+    }
+    void* out = w.request->outputs[t];
+    collectives_.ReduceScatter(in, out, counts, tm.dtype, m.op);
+    const double post = PostScale(m);
+    if (post != 1.0) ScaleCopy(out, out, counts[mpi_->rank()], tm.dtype, post);
   }
 }
 

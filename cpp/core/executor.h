@@ -42,6 +42,8 @@ class Executor {
   void RunAllreduces(const std::vector<Work>& work);
   void RunAllgather(const Work& w);
   void RunBroadcast(const Work& w);
+  void RunAlltoall(const Work& w);
+  void RunReducescatter(const Work& w);
   double PostScale(const RequestMeta& m) const;
 
   const MpiContext* mpi_;

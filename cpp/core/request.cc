@@ -16,14 +16,14 @@ std::string FirstDifference(const RequestMeta& a, const RequestMeta& b) {
     if (a.tensors[i].dtype != b.tensors[i].dtype) return "dtype" + idx;
     const Shape& sa = a.tensors[i].shape;
     const Shape& sb = b.tensors[i].shape;
-    if (a.type == CollectiveType::kAllgather) {
+    if (a.type == CollectiveType::kAllgather || a.type == CollectiveType::kAlltoall) {
       if (sa.size() != sb.size() || sa.empty() || TrailingDims(sa) != TrailingDims(sb))
         return "shape" + idx;
     } else if (sa != sb) {
       return "shape" + idx;
     }
   }
-  if (a.type == CollectiveType::kAllreduce) {
+  if (a.type == CollectiveType::kAllreduce || a.type == CollectiveType::kReducescatter) {
     if (a.op != b.op) return "reduce op";
     if (a.prescale != b.prescale) return "prescale_factor";
     if (a.postscale != b.postscale) return "postscale_factor";

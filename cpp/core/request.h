@@ -27,6 +27,7 @@ struct RequestMeta {
   double postscale = 1.0;
   int32_t root = 0;
   std::vector<TensorMeta> tensors;
+  std::vector<int64_t> splits;  // alltoall: rows this rank sends to each rank
 };
 
 using DoneCallback = std::function<void(const Status&)>;
@@ -52,6 +53,7 @@ struct Response {
   Kind kind = Kind::kExecute;
   RequestMeta meta;                         // for kError only meta.name is set
   std::vector<std::vector<int64_t>> dim0;   // allgather: [tensor][rank] first dims
+  std::vector<std::vector<int64_t>> splits; // alltoall: [sender][receiver] rows
   std::string error;
 };
 

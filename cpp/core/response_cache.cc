@@ -3,6 +3,7 @@
 namespace tfmpi {
 
 std::optional<uint32_t> ResponseCache::Lookup(const RequestMeta& submitted, int rank) const {
+  if (submitted.type == CollectiveType::kAlltoall) return std::nullopt;  // never cached (see Put)
   auto it = ids_.find(submitted.name);
   if (it == ids_.end()) return std::nullopt;
   const Response& r = entries_[it->second];
@@ -21,6 +22,9 @@ std::optional<uint32_t> ResponseCache::Find(const Response& r) const {
 }
 
 void ResponseCache::Put(const Response& r) {
+  // Alltoall splits usually change from call to call; caching them would
+  // only churn entries.
+  if (r.meta.type == CollectiveType::kAlltoall) return;
   auto it = ids_.find(r.meta.name);
   if (it != ids_.end()) {
     entries_[it->second] = r;

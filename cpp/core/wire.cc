@@ -21,6 +21,11 @@ class Writer {
       Pod<uint32_t>(t.shape.size());
       for (int64_t d : t.shape) Pod(d);
     }
+    Ints(m.splits);
+  }
+  void Ints(const std::vector<int64_t>& v) {
+    Pod<uint32_t>(v.size());
+    for (int64_t x : v) Pod(x);
   }
 };
 
@@ -52,7 +57,13 @@ class Reader {
       t.shape.resize(Pod<uint32_t>());
       for (auto& d : t.shape) d = Pod<int64_t>();
     }
+    m.splits = Ints();
     return m;
+  }
+  std::vector<int64_t> Ints() {
+    std::vector<int64_t> v(Pod<uint32_t>());
+    for (auto& x : v) x = Pod<int64_t>();
+    return v;
   }
  private:
   const std::vector<char>& buf_;
@@ -92,10 +103,9 @@ std::vector<char> Encode(const std::vector<Decision>& items) {
       case Decision::Kind::kExecute:
         w.Meta(d.response.meta);
         w.Pod<uint32_t>(d.response.dim0.size());
-        for (const auto& per_rank : d.response.dim0) {
-          w.Pod<uint32_t>(per_rank.size());
-          for (int64_t v : per_rank) w.Pod(v);
-        }
+        for (const auto& per_rank : d.response.dim0) w.Ints(per_rank);
+        w.Pod<uint32_t>(d.response.splits.size());
+        for (const auto& row : d.response.splits) w.Ints(row);
         break;
       case Decision::Kind::kError: w.Str(d.response.meta.name); w.Str(d.response.error); break;
       case Decision::Kind::kShutdownAck: w.Pod(d.rank); break;
@@ -116,10 +126,9 @@ void Decode(const std::vector<char>& bytes, std::vector<Decision>* out) {
         d.response.kind = Response::Kind::kExecute;
         d.response.meta = r.Meta();
         d.response.dim0.resize(r.Pod<uint32_t>());
-        for (auto& per_rank : d.response.dim0) {
-          per_rank.resize(r.Pod<uint32_t>());
-          for (auto& v : per_rank) v = r.Pod<int64_t>();
-        }
+        for (auto& per_rank : d.response.dim0) per_rank = r.Ints();
+        d.response.splits.resize(r.Pod<uint32_t>());
+        for (auto& row : d.response.splits) row = r.Ints();
         break;
       case Decision::Kind::kError:
         d.response.kind = Response::Kind::kError;

@@ -40,7 +40,7 @@ class CollectiveOp : public AsyncOpKernel {
   CollectiveOp(OpKernelConstruction* c, tfmpi::CollectiveType type) : AsyncOpKernel(c), type_(type) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
-    if (type == tfmpi::CollectiveType::kAllreduce) {
+    if (type == tfmpi::CollectiveType::kAllreduce || type == tfmpi::CollectiveType::kReducescatter) {
       int op = 0;
       OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
       op_ = static_cast<tfmpi::ReduceOp>(op);
@@ -58,16 +58,43 @@ class CollectiveOp : public AsyncOpKernel {
     req->meta.prescale = prescale_;
     req->meta.postscale = postscale_;
     req->meta.root = root_;
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
+    auto& engine = tfmpi::Engine::Get();
+    OP_REQUIRES_ASYNC(ctx, engine.initialized(),
+                      errors::FailedPrecondition("tf_mpi has not been initialized; call tf_mpi.init() first"), done);
+    const bool alltoall = type_ == tfmpi::CollectiveType::kAlltoall;
+    const int num_tensors = alltoall ? 1 : ctx->num_inputs();
+    for (int i = 0; i < num_tensors; ++i) {
       const Tensor& in = ctx->input(i);
       tfmpi::Shape shape;
       for (int d = 0; d < in.dims(); ++d) shape.push_back(in.dim_size(d));
-      req->meta.tensors.push_back({ToEngineType(in.dtype()), std::move(shape)});
+      req->meta.tensors.push_back({ToEngineType(in.dtype()), shape});
       req->inputs.push_back(in.tensor_data().data());
-      if (type_ != tfmpi::CollectiveType::kAllgather) {
+      if (type_ == tfmpi::CollectiveType::kAllreduce || type_ == tfmpi::CollectiveType::kBroadcast) {
         Tensor* out = nullptr;
         OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
         req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));
+      } else if (type_ == tfmpi::CollectiveType::kReducescatter && in.dims() > 0) {
+        // Rank r keeps rows [r * q + min(r, rem), ...): the first `rem` ranks get one more.
+        const int n = engine.mpi().size(), r = engine.mpi().rank();
+        TensorShape out_shape = in.shape();
+        out_shape.set_dim(0, in.dim_size(0) / n + (r < in.dim_size(0) % n ? 1 : 0));
+        Tensor* out = nullptr;
+        OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, out_shape, &out), done);
+        req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));
+      }
+    }
+    if (alltoall && ctx->input(0).dims() > 0) {
+      const Tensor& splits = ctx->input(1);
+      const int n = engine.mpi().size();
+      const int64_t rows = ctx->input(0).dim_size(0);
+      if (splits.NumElements() == 0) {
+        OP_REQUIRES_ASYNC(ctx, rows % n == 0,
+                          errors::InvalidArgument("tf_mpi: alltoall '", tensor_name_, "' without splits needs dim 0 (",
+                                                  rows, ") divisible by the number of ranks (", n, ")"), done);
+        req->meta.splits.assign(n, rows / n);
+      } else {
+        auto s = splits.flat<int64>();
+        req->meta.splits.assign(s.data(), s.data() + s.size());
       }
     }
     // Runs on the engine thread once shapes are negotiated (allgather).
@@ -111,6 +138,10 @@ REGISTER_KERNEL_BUILDER(Name("TfMpiAllgather").Device(DEVICE_CPU),
                         TypedCollectiveOp<tfmpi::CollectiveType::kAllgather>);
 REGISTER_KERNEL_BUILDER(Name("TfMpiBroadcast").Device(DEVICE_CPU),
                         TypedCollectiveOp<tfmpi::CollectiveType::kBroadcast>);
+REGISTER_KERNEL_BUILDER(Name("TfMpiAlltoall").Device(DEVICE_CPU).HostMemory("splits"),
+                        TypedCollectiveOp<tfmpi::CollectiveType::kAlltoall>);
+REGISTER_KERNEL_BUILDER(Name("TfMpiReducescatter").Device(DEVICE_CPU),
+                        TypedCollectiveOp<tfmpi::CollectiveType::kReducescatter>);
 
 // Scalar runtime queries; fail clearly before init().
 template <int (tfmpi::MpiContext::*Getter)() const>

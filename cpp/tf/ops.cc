@@ -66,6 +66,33 @@ REGISTER_OP("TfMpiBroadcast")
     .SetIsStateful()
     .SetShapeFn(SameShapes);
 
+REGISTER_OP("TfMpiAlltoall")
+    .Attr("T: " TFMPI_ALL_TYPES)
+    .Attr("tensor_name: string = ''")
+    .Input("tensor: T")
+    .Input("splits: int64")  // empty: equal split
+    .Output("output: T")
+    .Output("received_splits: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), 0, c->UnknownDim(), &out));
+      c->set_output(0, out);
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("TfMpiReducescatter")
+    .Attr("T: list(" TFMPI_REDUCE_TYPES ")")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("tensor_name: string = ''")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .SetIsStateful()
+    .SetShapeFn(UnknownFirstDim);
+
 // Runtime queries as ops, so graphs can use them (values fixed at init()).
 #define TFMPI_RUNTIME_OP(Name)  \
   REGISTER_OP(Name)             \

@@ -95,30 +95,32 @@ def check_fit_matches_single_process_sgd_and_adam():
 def check_custom_loop_with_distributed_gradient_tape_matches():
     x, y = global_data(4)
     xs, ys = shard(x), shard(y)
-    model, ref = make_model(1), make_model(1)
-    opt, ref_opt = keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.01)
     loss_fn = keras.losses.MeanSquaredError()
+    for name, make_opt in (("sgd", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+                           ("adam", lambda: keras.optimizers.Adam(0.01))):
+        model, ref = make_model(1), make_model(1)
+        opt, ref_opt = make_opt(), make_opt()
 
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            tape = hvd.DistributedGradientTape(tape, name=f"tape.{name}")
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
 
-    @tf.function
-    def ref_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, ref(xb, training=True))
-        ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables))
+        @tf.function
+        def ref_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, ref(xb, training=True))
+            ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables))
 
-    for s in range(4):
-        step(xs[s * B:(s + 1) * B], ys[s * B:(s + 1) * B])
-        ref_step(x[s * N * B:(s + 1) * N * B], y[s * N * B:(s + 1) * N * B])
-        assert_identical_across_ranks(model, f"tape.step{s}")
-    weights_close(model, ref, "custom loop")
+        for s in range(4):
+            step(xs[s * B:(s + 1) * B], ys[s * B:(s + 1) * B])
+            ref_step(x[s * N * B:(s + 1) * N * B], y[s * N * B:(s + 1) * N * B])
+            assert_identical_across_ranks(model, f"tape.{name}.step{s}")
+        weights_close(model, ref, f"custom loop {name}")
 
 
 def check_weights_bit_identical_after_every_epoch_from_different_starts():
@@ -384,6 +386,19 @@ def check_config_learning_rate_and_save_load_round_trip():
     loaded.fit(shard(x), shard(y), batch_size=B, verbose=0, shuffle=False)
     weights_close(model, loaded, "continued after load")
     assert_identical_across_ranks(loaded, "loaded")
+
+
+def check_best_model_checkpoint_saves_on_rank_0_only():
+    path = os.path.join(tempfile.mkdtemp(), "best.keras")  # a different directory on each rank
+    x, y = global_data(2)
+    model = make_model(1)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse", jit_compile=False)
+    model.fit(shard(x), shard(y), batch_size=B, epochs=2, verbose=0, callbacks=[
+        hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint(path, monitor="loss", mode="min")])
+    assert os.path.exists(path) == (R == 0), f"rank {R}: saved={os.path.exists(path)}"
+    if R == 0:
+        saved = keras.models.load_model(path)
+        assert np.allclose(saved.get_weights()[0], model.get_weights()[0])
 
 
 def check_sync_batch_norm_uses_global_batch_statistics():

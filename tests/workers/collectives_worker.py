@@ -1,0 +1,169 @@
+"""allgather, broadcast, alltoall, reducescatter, object helpers and data
+sharding, run on every rank by tests/test_collectives.py (np=2 and np=3).
+Expected values are computed from the same rank-dependent formulas."""
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checks import run_checks  # noqa: E402
+
+import tf_mpi as hvd  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+DTYPES = [tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.bool]
+
+
+def rows(rank, n, cols=3, dtype=tf.float32):
+    """n rows whose values encode (rank, row, col)."""
+    a = (rank * 100 + np.arange(n * cols).reshape(n, cols)) % 120
+    return tf.cast(tf.constant(a % 2 == 1 if dtype == tf.bool else a), dtype)
+
+
+def expect_error(fn, *needles, kind=tf.errors.OpError):
+    try:
+        fn()
+    except kind as e:
+        text = getattr(e, "message", str(e))
+        for n in needles:
+            assert n in text, f"{n!r} not in {text!r}"
+        return
+    raise AssertionError(f"no error (wanted {needles})")
+
+
+def check_allgather_uneven_every_dtype():
+    for dtype in DTYPES:
+        got = hvd.allgather(rows(R, R + 1, dtype=dtype), name=f"ag.{dtype.name}")
+        want = tf.concat([rows(r, r + 1, dtype=dtype) for r in range(N)], 0)
+        assert got.dtype == dtype and np.array_equal(got.numpy(), want.numpy()), dtype.name
+    # A rank with nothing to contribute, and 3-d tensors.
+    got = hvd.allgather(tf.zeros([0 if R == 0 else 2, 2, 2]), name="ag.empty")
+    assert got.shape == (2 * (N - 1), 2, 2)
+
+
+def check_grouped_allgather_and_in_tf_function():
+    @tf.function
+    def f(a, b):
+        return hvd.grouped_allgather([a, b])
+
+    a, b = f(rows(R, 2), rows(R, R + 1, cols=1, dtype=tf.int64))
+    assert np.array_equal(a.numpy(), tf.concat([rows(r, 2) for r in range(N)], 0).numpy())
+    assert b.shape == (sum(r + 1 for r in range(N)), 1)
+
+
+def check_allgather_errors():
+    expect_error(lambda: hvd.allgather(tf.zeros([2, 3 + R]), name="ag.bad"), "mismatched allgather", "shape")
+    expect_error(lambda: hvd.allgather(tf.constant(1.0), name="ag.scalar"), "at least one dimension")
+
+
+def check_broadcast_every_dtype_and_root():
+    for root in range(N):
+        for dtype in DTYPES:
+            got = hvd.broadcast(rows(R, 2, dtype=dtype), root_rank=root, name=f"bc.{root}.{dtype.name}")
+            assert np.array_equal(got.numpy(), rows(root, 2, dtype=dtype).numpy()), (root, dtype.name)
+    v = tf.Variable(rows(R, 3))
+    hvd.broadcast_variables([v], root_rank=N - 1)
+    assert np.array_equal(v.numpy(), rows(N - 1, 3).numpy())
+
+
+def check_broadcast_errors():
+    expect_error(lambda: hvd.broadcast(tf.ones([2]), root_rank=R, name="bc.disagree"), "root rank differs")
+    expect_error(lambda: hvd.broadcast(tf.ones([2]), root_rank=N, name="bc.range"), "out of range")
+
+
+def check_alltoall_with_splits_including_zeros():
+    # Rank r sends (j + r) % 3 rows to rank j: some zero, and rank 0 sends nothing to rank 0 when r == 0.
+    splits = [(j + R) % 3 for j in range(N)]
+    data = tf.concat([tf.fill([s, 2], float(100 * R + j)) for j, s in enumerate(splits)], 0)
+    out, received = hvd.alltoall(data, splits=splits, name="a2a.splits")
+    want_counts = [(R + j) % 3 for j in range(N)]  # what rank j sends to me
+    assert received.numpy().tolist() == want_counts, (received.numpy(), want_counts)
+    want = np.concatenate([np.full([c, 2], 100 * j + R) for j, c in enumerate(want_counts)]) if sum(want_counts) \
+        else np.zeros([0, 2])
+    assert np.array_equal(out.numpy(), want)
+
+
+def check_alltoall_equal_split_every_dtype():
+    for dtype in DTYPES:
+        out, received = hvd.alltoall(rows(R, 2 * N, dtype=dtype), name=f"a2a.eq.{dtype.name}")
+        want = tf.concat([rows(j, 2 * N, dtype=dtype)[2 * R:2 * R + 2] for j in range(N)], 0)
+        assert np.array_equal(out.numpy(), want.numpy()) and received.numpy().tolist() == [2] * N, dtype.name
+
+
+def check_alltoall_errors():
+    expect_error(lambda: hvd.alltoall(tf.ones([N + 1, 2]), name="a2a.indivisible"), "divisible")
+    expect_error(lambda: hvd.alltoall(tf.ones([3]), splits=[1] * (N + 1), name="a2a.len"), "splits has")
+    expect_error(lambda: hvd.alltoall(tf.ones([3]), splits=[3] + [1] * (N - 1), name="a2a.sum"), "sum to")
+
+
+def check_reducescatter_uneven_sum_and_average():
+    total = 2 * N + 1  # uneven: the first rank gets one more row
+    x = tf.cast(tf.reshape(tf.range(total * 2) + R, [total, 2]), tf.float32)
+    full = sum(np.arange(total * 2).reshape(total, 2) + r for r in range(N)).astype(np.float32)
+    q, m = divmod(total, N)
+    start = R * q + min(R, m)
+    mine = full[start:start + q + (1 if R < m else 0)]
+    got = hvd.reducescatter(x, op=hvd.Sum, name="rs.sum")
+    assert np.array_equal(got.numpy(), mine), (got.numpy(), mine)
+    got = hvd.reducescatter(x, op=hvd.Average, name="rs.avg")
+    assert np.allclose(got.numpy(), mine / N)
+    got = hvd.reducescatter(tf.cast(x, tf.float16), op=hvd.Sum, prescale_factor=2.0, name="rs.f16")
+    assert np.allclose(got.numpy().astype(np.float32), 2 * mine, rtol=1e-3)
+    a, b = hvd.grouped_reducescatter([x, tf.cast(x, tf.int64)], op=hvd.Sum, name="rs.group")
+    assert np.array_equal(b.numpy(), mine.astype(np.int64))
+    expect_error(lambda: hvd.reducescatter(tf.constant(1.0), name="rs.scalar"), "at least one dimension")
+
+
+def check_gradients_of_gather_broadcast_alltoall_reducescatter():
+    x = tf.Variable(tf.fill([R + 1, 2], 1.0))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(hvd.allgather(x, name="g.ag") * float(R + 1))
+    g = tape.gradient(loss, x)
+    assert np.allclose(g.numpy(), sum(r + 1 for r in range(N))), g.numpy()  # every rank's loss sees my rows
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(hvd.broadcast(x[:1], root_rank=0, name="g.bc") * float(R + 1))
+    g = tape.gradient(loss, x)
+    assert np.allclose(g.numpy()[0], sum(r + 1 for r in range(N)) if R == 0 else 0.0), g.numpy()
+    y = tf.Variable(tf.ones([N, 2]))
+    with tf.GradientTape() as tape:
+        out, _ = hvd.alltoall(y, name="g.a2a")
+        loss = tf.reduce_sum(out * float(R + 1))
+    g = tape.gradient(loss, y)
+    assert np.allclose(g.numpy()[:, 0], [j + 1 for j in range(N)]), g.numpy()  # row j went to rank j
+    z = tf.Variable(tf.ones([N, 2]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(hvd.reducescatter(z, op=hvd.Sum, name="g.rs") * float(R + 1))
+    g = tape.gradient(loss, z)
+    assert np.allclose(g.numpy()[:, 0], [j + 1 for j in range(N)]), g.numpy()  # row j is reduced on rank j
+
+
+def check_object_helpers_and_barrier():
+    obj = {"rank": R, "nested": [R, (R, "x" * R)], "fn": (lambda v: v + R)}
+    got = hvd.broadcast_object(obj, root_rank=N - 1)
+    assert got["rank"] == N - 1 and got["nested"][1][1] == "x" * (N - 1) and got["fn"](1) == N
+    gathered = hvd.allgather_object({"r": R, "payload": list(range(R))})
+    assert [g["r"] for g in gathered] == list(range(N)) and gathered[-1]["payload"] == list(range(N - 1))
+
+    @hvd.broadcast_object_fn(root_rank=0)
+    def only_root():
+        return f"computed on {R}"
+
+    assert only_root() == "computed on 0"
+    hvd.barrier()
+
+
+def check_data_shard_by_rank():
+    ds = hvd.data.shard(tf.data.Dataset.range(10))
+    assert list(ds.as_numpy_iterator()) == list(range(R, 10, N))
+    a, b = hvd.data.shard_arrays(np.arange(10), np.arange(10) * 2)
+    per = 10 // N
+    assert a.tolist() == list(range(R * per, (R + 1) * per)) and b.tolist() == [2 * v for v in a]
+    assert hvd.data.rank_seed(5) != hvd.allgather_object(hvd.data.rank_seed(5))[(R + 1) % N] or N == 1
+
+
+if __name__ == "__main__":
+    run_checks(globals(), R)

@@ -80,6 +80,27 @@ def _install_excepthook():
     sys.excepthook = hook
 
 
+def start_timeline(file_path, mark_cycles=False):
+    """Starts writing a Chrome-trace / Perfetto JSON timeline (rank 0 writes it).
+
+    Open the file in chrome://tracing or https://ui.perfetto.dev, or render a
+    summary with ``python -m tf_mpi.timeline_plot trace.json out.png``. Setting
+    ``TF_MPI_TIMELINE=path`` before ``init()`` records the whole run.
+
+    Example::
+
+        hvd.start_timeline("/tmp/trace.json")
+        model.fit(x, y, epochs=1)
+        hvd.stop_timeline()
+    """
+    _core.start_timeline(str(file_path))
+
+
+def stop_timeline():
+    """Stops the timeline and completes its JSON file."""
+    _core.stop_timeline()
+
+
 def shutdown():
     """Stops the engine. Pending and later collectives fail with an error; ``init()`` may be called again."""
     _core.shutdown()

@@ -50,14 +50,19 @@ void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
     return;
   }
   p.by_rank[rank] = std::move(meta);
+  if (timeline_->active())
+    timeline_->Instant(name, "READY", now, "{\"rank\": " + std::to_string(rank) + "}");
   if (++p.count == size_) {
-    Decide(name, p);
+    Decide(name, p, now);
     pending_.erase(name);
   }
 }
 
-void Coordinator::Decide(const std::string& name, Pending& p) {
+void Coordinator::Decide(const std::string& name, Pending& p, Clock::time_point now) {
   const RequestMeta& ref = *p.by_rank[0];
+  if (timeline_->active())
+    timeline_->Span(name, "NEGOTIATE", p.first_seen, now, "{\"collective\": \"" +
+                    std::string(CollectiveName(ref.type)) + "\", \"ranks\": " + std::to_string(size_) + "}");
   // Agreement: report the first field on which any rank differs from rank 0,
   // with every rank's value, grouped.
   for (int r = 1; r < size_; ++r) {

@@ -15,6 +15,7 @@
 
 #include "request.h"
 #include "response_cache.h"
+#include "timeline.h"
 #include "wire.h"
 
 namespace tfmpi {
@@ -23,9 +24,10 @@ using Clock = std::chrono::steady_clock;
 
 class Coordinator {
  public:
-  Coordinator(int size, const ResponseCache* cache, double stall_warn_s, double stall_shutdown_s)
+  Coordinator(int size, const ResponseCache* cache, double stall_warn_s, double stall_shutdown_s,
+              Timeline* timeline)
       : size_(size), cache_(cache), departed_(size, false),
-        stall_warn_s_(stall_warn_s), stall_shutdown_s_(stall_shutdown_s) {}
+        stall_warn_s_(stall_warn_s), stall_shutdown_s_(stall_shutdown_s), timeline_(timeline) {}
 
   // `rank` announced `meta`.
   void Announce(int rank, RequestMeta meta, Clock::time_point now);
@@ -48,7 +50,7 @@ class Coordinator {
     Clock::time_point first_seen;
     Clock::time_point last_warned;
   };
-  void Decide(const std::string& name, Pending& p);
+  void Decide(const std::string& name, Pending& p, Clock::time_point now);
   void Fail(const std::string& name, const std::string& why);
   std::string Ranks(const Pending& p, bool announced) const;
 
@@ -57,6 +59,7 @@ class Coordinator {
   std::vector<bool> departed_;
   int departed_count_ = 0;
   double stall_warn_s_, stall_shutdown_s_;
+  Timeline* timeline_;
   std::unordered_map<std::string, Pending> pending_;
   std::vector<Decision> decisions_;
 };

@@ -86,6 +86,10 @@ Status Engine::Init(const InitOptions& opts) {
     stop_requested_ = false;
   }
   initialized_ = true;
+  if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {
+    s = StartTimeline(path);
+    if (!s.ok()) LogWarning(s.message);
+  }
   thread_ = std::thread([this] { Loop(); });
   return Status::OK();
 }
@@ -98,8 +102,16 @@ void Engine::Shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  timeline_.Stop();
   mpi_.Release();
   initialized_ = false;
+}
+
+Status Engine::StartTimeline(const std::string& path) {
+  if (!initialized_) return Status::Precondition("tf_mpi has not been initialized; call tf_mpi.init() first");
+  if (mpi_.rank() != 0) return Status::OK();
+  if (!timeline_.Start(path)) return Status::Invalid("tf_mpi: cannot open timeline file " + path);
+  return Status::OK();
 }
 
 void Engine::Finalize() {
@@ -177,8 +189,8 @@ void Engine::Loop() {
   const MPI_Comm comm = mpi_.comm();
   ResponseCache cache(static_cast<size_t>(config_.cache_capacity));
   std::unique_ptr<Coordinator> coord;
-  if (rank == 0) coord = std::make_unique<Coordinator>(size, &cache, config_.stall_check_s, config_.stall_shutdown_s);
-  Executor executor(&mpi_, config_, &stats_);
+  if (rank == 0) coord = std::make_unique<Coordinator>(size, &cache, config_.stall_check_s, config_.stall_shutdown_s, &timeline_);
+  Executor executor(&mpi_, config_, &stats_, &timeline_);
   InFlight in_flight;
   Outbox outbox;
   bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving

@@ -19,6 +19,7 @@
 #include "executor.h"
 #include "mpi_context.h"
 #include "request.h"
+#include "timeline.h"
 
 namespace tfmpi {
 
@@ -46,6 +47,10 @@ class Engine {
 
   const ExecutorStats& stats() const { return stats_; }
 
+  // Rank 0 writes the timeline; on other ranks these do nothing.
+  Status StartTimeline(const std::string& path);
+  void StopTimeline() { timeline_.Stop(); }
+
  private:
   Engine() = default;
   void Loop();
@@ -53,6 +58,7 @@ class Engine {
 
   MpiContext mpi_;
   ExecutorStats stats_;
+  Timeline timeline_;
   EngineConfig config_{};
   std::atomic<bool> initialized_{false};
   std::thread thread_;

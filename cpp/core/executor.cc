@@ -12,7 +12,20 @@ double Executor::PostScale(const RequestMeta& m) const {
   return m.op == ReduceOp::kAverage ? m.postscale / mpi_->size() : m.postscale;
 }
 
+namespace {
+using TClock = std::chrono::steady_clock;
+
+// Records one phase of an operation on the track of every request it served.
+void Phase(Timeline* tl, const std::vector<const Request*>& reqs, const char* name, TClock::time_point start,
+           const std::string& args) {
+  if (!tl->active()) return;
+  const auto end = TClock::now();
+  for (const Request* r : reqs) tl->Span(r->meta.name, name, start, end, args);
+}
+}  // namespace
+
 bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache) {
+  decided_ = TClock::now();
   // Responses are copied out of the cache: Put() below may move cache storage.
   std::vector<Response> responses;
   responses.reserve(decisions.size());
@@ -43,12 +56,19 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
   }
   RunAllreduces(allreduces);
   for (const Work& w : others) {
+    const auto t0 = TClock::now();
+    if (timeline_->active()) Phase(timeline_, {w.request}, "QUEUE", decided_, "");
     switch (w.response->meta.type) {
       case CollectiveType::kAllgather: RunAllgather(w); break;
       case CollectiveType::kBroadcast: RunBroadcast(w); break;
       case CollectiveType::kAlltoall: RunAlltoall(w); break;
       case CollectiveType::kReducescatter: RunReducescatter(w); break;
       default: break;
+    }
+    if (timeline_->active()) {
+      static const char* names[] = {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BROADCAST", "MPI_ALLTOALL",
+                                    "MPI_REDUCESCATTER"};
+      Phase(timeline_, {w.request}, names[static_cast<int>(w.response->meta.type)], t0, "");
     }
   }
   for (const Response& r : responses) {
@@ -76,6 +96,15 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
   for (const FusionBucket& b : PlanFusion(items, fusion_threshold_)) {
     ++stats_->allreduce_buckets;
     const Slot& first = slots[b.items[0]];
+    std::vector<const Request*> members;
+    if (timeline_->active()) {
+      for (size_t i : b.items)
+        if (members.empty() || members.back() != slots[i].req) members.push_back(slots[i].req);
+      Phase(timeline_, members, "QUEUE", decided_, "");
+    }
+    const std::string args = "{\"bucket\": " + std::to_string(bucket_id_++) + ", \"tensors\": " +
+                             std::to_string(b.items.size()) + ", \"bytes\": " + std::to_string(b.bytes) + "}";
+    auto t0 = TClock::now();
     const DataType dtype = first.req->meta.tensors[first.t].dtype;
     const ReduceOp op = first.req->meta.op;
     if (b.direct) {
@@ -89,6 +118,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       collectives_.Allreduce(in, out, first.count, dtype, op);
       const double post = PostScale(m);
       if (post != 1.0) ScaleCopy(out, out, first.count, dtype, post);
+      Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
       continue;
     }
     if (static_cast<int64_t>(fusion_buffer_.size()) < b.bytes) fusion_buffer_.resize(b.bytes);
@@ -99,13 +129,18 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       ScaleCopy(buf + offset, s.req->inputs[s.t], s.count, dtype, s.req->meta.prescale);
       offset += items[i].bytes;
     }
+    Phase(timeline_, members, "MEMCPY_IN_FUSION_BUFFER", t0, args);
+    t0 = TClock::now();
     collectives_.Allreduce(nullptr, buf, b.bytes / DataTypeSize(dtype), dtype, op);
+    Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
+    t0 = TClock::now();
     offset = 0;
     for (size_t i : b.items) {
       const Slot& s = slots[i];
       ScaleCopy(s.req->outputs[s.t], buf + offset, s.count, dtype, PostScale(s.req->meta));
       offset += items[i].bytes;
     }
+    Phase(timeline_, members, "MEMCPY_OUT_FUSION_BUFFER", t0, args);
   }
 }
 

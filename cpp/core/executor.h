@@ -13,6 +13,7 @@
 #include "env.h"
 #include "request.h"
 #include "response_cache.h"
+#include "timeline.h"
 #include "wire.h"
 
 namespace tfmpi {
@@ -27,9 +28,9 @@ struct ExecutorStats {
 
 class Executor {
  public:
-  Executor(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats)
+  Executor(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats, Timeline* timeline)
       : mpi_(mpi), collectives_(mpi, config.chunk_bytes), fusion_threshold_(config.fusion_threshold_bytes),
-        stats_(stats) {}
+        stats_(stats), timeline_(timeline) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
@@ -51,6 +52,9 @@ class Executor {
   int64_t fusion_threshold_;
   std::vector<char> fusion_buffer_;  // reused across steps; grows to the threshold
   ExecutorStats* stats_;
+  Timeline* timeline_;
+  std::chrono::steady_clock::time_point decided_;  // when the running batch was decided/received
+  int64_t bucket_id_ = 0;
 };
 
 }  // namespace tfmpi

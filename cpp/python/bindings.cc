@@ -135,6 +135,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("cross_size", [] { return Ctx().cross_size(); });
   m.def("mpi_threads_supported", [] { Ctx(); return MpiContext::ThreadMultiple(); });
   m.def("config", [] { return E().config().ToString(); });
+  m.def("start_timeline", [](const std::string& path) { Raise(E().StartTimeline(path)); });
+  m.def("stop_timeline", [] { E().StopTimeline(); });
   m.def("stats", [] {
     const ExecutorStats& s = E().stats();
     return py::dict(py::arg("requests") = s.requests.load(), py::arg("errors") = s.errors.load(),

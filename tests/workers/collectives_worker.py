@@ -165,5 +165,40 @@ def check_data_shard_by_rank():
     assert hvd.data.rank_seed(5) != hvd.allgather_object(hvd.data.rank_seed(5))[(R + 1) % N] or N == 1
 
 
+def check_timeline_records_a_known_sequence():
+    import json
+    import tempfile
+    path = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "trace.json") if R == 0 else None)
+    hvd.start_timeline(path)
+    hvd.grouped_allreduce([tf.ones([4]), tf.ones([8]), tf.ones([2])], op=hvd.Sum, name="tl.group")
+    hvd.allreduce(tf.ones([3, 3]), op=hvd.Sum, name="tl.single")
+    hvd.allgather(tf.ones([R + 1]), name="tl.gather")
+    hvd.stop_timeline()
+    if R != 0:
+        return
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]  # valid JSON after stop_timeline()
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"tl.group", "tl.single", "tl.gather"} <= set(tracks.values()), tracks
+
+    def on(track, name):
+        return [e for e in events if e["ph"] in "Xi" and tracks[e["tid"]] == track and e["name"] == name]
+
+    for track in ("tl.group", "tl.single", "tl.gather"):
+        assert len(on(track, "NEGOTIATE")) == 1, track
+        assert sorted(e["args"]["rank"] for e in on(track, "READY")) == list(range(N)), track
+    fused = on("tl.group", "MEMCPY_IN_FUSION_BUFFER")
+    assert fused and fused[0]["args"]["tensors"] == 3 and fused[0]["args"]["bytes"] == 56, fused
+    mpi = on("tl.group", "MPI_ALLREDUCE")[0]
+    assert mpi["ts"] >= on("tl.group", "NEGOTIATE")[0]["ts"] + on("tl.group", "NEGOTIATE")[0]["dur"] - 1
+    assert on("tl.group", "MEMCPY_OUT_FUSION_BUFFER")[0]["ts"] >= mpi["ts"] + mpi["dur"] - 1
+    single = on("tl.single", "MPI_ALLREDUCE")
+    assert single and single[0]["args"]["tensors"] == 1 and not on("tl.single", "MEMCPY_IN_FUSION_BUFFER")
+    assert on("tl.gather", "MPI_ALLGATHER")
+    from tf_mpi import timeline_plot
+    steps = timeline_plot.plot(path, path + ".png")
+    assert os.path.getsize(path + ".png") > 1000 and steps and steps[0]["mpi"] > 0
+
+
 if __name__ == "__main__":
     run_checks(globals(), R)

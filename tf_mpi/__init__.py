@@ -14,7 +14,7 @@ from tf_mpi.basics import (  # noqa: F401
     Average, Sum, Min, Max, Product, Adasum,
     init, shutdown, is_initialized, rank, size, local_rank, local_size, cross_rank, cross_size,
     mpi_threads_supported, mpi_enabled, mpi_built, gloo_built, nccl_built, ccl_built, ddl_built,
-    rocm_built, cuda_built, start_timeline, stop_timeline,
+    rocm_built, cuda_built, start_timeline, stop_timeline, join,
 )
 from tf_mpi.compression import Compression
 from tf_mpi.ops import (

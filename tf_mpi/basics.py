@@ -101,6 +101,24 @@ def stop_timeline():
     _core.stop_timeline()
 
 
+def join():
+    """Waits until every rank has called join(), meanwhile standing in for this
+    rank in the others' collectives: zeros into their allreduces (Average then
+    divides by the ranks that contributed) and no rows into their allgathers.
+    Returns the last rank to join.
+
+    Use it when ranks have different numbers of batches, so that the ranks
+    with more data do not wait forever for the ones that ran out.
+
+    Example::
+
+        for batch in my_shard:          # shards of different lengths
+            train_step(batch)
+        last = hvd.join()
+    """
+    return _core.join()
+
+
 def shutdown():
     """Stops the engine. Pending and later collectives fail with an error; ``init()`` may be called again."""
     _core.shutdown()

@@ -1,5 +1,6 @@
 #include "coordinator.h"
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -39,6 +40,10 @@ void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
     Fail(name, "tf_mpi: collective '" + name + "' cannot complete: " + RankList(gone) + " called shutdown()");
     return;
   }
+  if (meta.type == CollectiveType::kJoin) {
+    Join(rank, now);
+    return;
+  }
   Pending& p = pending_[name];
   if (p.by_rank.empty()) {
     p.by_rank.resize(size_);
@@ -52,24 +57,63 @@ void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
   p.by_rank[rank] = std::move(meta);
   if (timeline_->active())
     timeline_->Instant(name, "READY", now, "{\"rank\": " + std::to_string(rank) + "}");
-  if (++p.count == size_) {
+  ++p.count;
+  if (Complete(p)) {
     Decide(name, p, now);
     pending_.erase(name);
   }
 }
 
+bool Coordinator::Complete(const Pending& p) const {
+  for (int r = 0; r < size_; ++r)
+    if (!p.by_rank[r] && !joined_[r]) return false;
+  return true;
+}
+
+void Coordinator::Join(int rank, Clock::time_point now) {
+  if (!joined_[rank]) {
+    joined_[rank] = true;
+    ++joined_count_;
+    last_joiner_ = rank;
+  }
+  if (timeline_->active()) timeline_->Instant(kJoinName, "READY", now, "{\"rank\": " + std::to_string(rank) + "}");
+  // Collectives that only waited for this rank can run now, with its zeros.
+  std::vector<std::string> ready;
+  for (const auto& [name, p] : pending_)
+    if (Complete(p)) ready.push_back(name);
+  std::sort(ready.begin(), ready.end());  // deterministic order
+  for (const std::string& name : ready) {
+    Decide(name, pending_.at(name), now);
+    pending_.erase(name);
+  }
+  if (joined_count_ < size_) return;
+  Decision d;
+  d.response.meta.name = kJoinName;
+  d.response.meta.type = CollectiveType::kJoin;
+  d.response.meta.root = last_joiner_;  // join() returns the last rank to join
+  decisions_.push_back(std::move(d));
+  joined_.assign(size_, false);
+  joined_count_ = 0;
+}
+
 void Coordinator::Decide(const std::string& name, Pending& p, Clock::time_point now) {
-  const RequestMeta& ref = *p.by_rank[0];
+  std::vector<int> announced;
+  std::vector<int32_t> joined;
+  for (int r = 0; r < size_; ++r) {
+    if (p.by_rank[r]) announced.push_back(r);
+    else joined.push_back(r);
+  }
+  const RequestMeta& ref = *p.by_rank[announced[0]];
   if (timeline_->active())
     timeline_->Span(name, "NEGOTIATE", p.first_seen, now, "{\"collective\": \"" +
                     std::string(CollectiveName(ref.type)) + "\", \"ranks\": " + std::to_string(size_) + "}");
   // Agreement: report the first field on which any rank differs from rank 0,
   // with every rank's value, grouped.
-  for (int r = 1; r < size_; ++r) {
+  for (int r : announced) {
     std::string field = FirstDifference(ref, *p.by_rank[r]);
     if (field.empty()) continue;
     std::map<std::string, std::vector<int>> groups;
-    for (int q = 0; q < size_; ++q) groups[FieldValue(*p.by_rank[q], field)].push_back(q);
+    for (int q : announced) groups[FieldValue(*p.by_rank[q], field)].push_back(q);
     std::ostringstream os;
     os << "tf_mpi: mismatched " << CollectiveName(ref.type) << " '" << name << "' across ranks: " << field
        << " differs:";
@@ -82,17 +126,24 @@ void Coordinator::Decide(const std::string& name, Pending& p, Clock::time_point 
                    " is out of range for " + std::to_string(size_) + " ranks");
     return;
   }
+  if (!joined.empty() && ref.type != CollectiveType::kAllreduce && ref.type != CollectiveType::kAllgather) {
+    Fail(name, "tf_mpi: " + std::string(CollectiveName(ref.type)) + " '" + name + "' cannot run while " +
+                   RankList(std::vector<int>(joined.begin(), joined.end())) +
+                   " have called join(); only allreduce and allgather can");
+    return;
+  }
   Decision d;
   d.response.meta = ref;
+  d.response.joined = joined;
   if (ref.type == CollectiveType::kAllgather) {
-    d.response.dim0.assign(ref.tensors.size(), std::vector<int64_t>(size_));
+    d.response.dim0.assign(ref.tensors.size(), std::vector<int64_t>(size_, 0));  // joined ranks: 0 rows
     for (size_t t = 0; t < ref.tensors.size(); ++t)
-      for (int r = 0; r < size_; ++r) d.response.dim0[t][r] = p.by_rank[r]->tensors[t].shape[0];
+      for (int r : announced) d.response.dim0[t][r] = p.by_rank[r]->tensors[t].shape[0];
   }
   if (ref.type == CollectiveType::kAlltoall) {
     for (int r = 0; r < size_; ++r) d.response.splits.push_back(p.by_rank[r]->splits);
   }
-  if (auto id = cache_->Find(d.response)) {
+  if (auto id = joined.empty() ? cache_->Find(d.response) : std::nullopt) {
     d.kind = Decision::Kind::kExecuteCached;
     d.cache_id = *id;
   } else {

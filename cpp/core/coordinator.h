@@ -27,7 +27,8 @@ class Coordinator {
   Coordinator(int size, const ResponseCache* cache, double stall_warn_s, double stall_shutdown_s,
               Timeline* timeline)
       : size_(size), cache_(cache), departed_(size, false),
-        stall_warn_s_(stall_warn_s), stall_shutdown_s_(stall_shutdown_s), timeline_(timeline) {}
+        stall_warn_s_(stall_warn_s), stall_shutdown_s_(stall_shutdown_s), timeline_(timeline),
+        joined_(size, false) {}
 
   // `rank` announced `meta`.
   void Announce(int rank, RequestMeta meta, Clock::time_point now);
@@ -52,6 +53,9 @@ class Coordinator {
   };
   void Decide(const std::string& name, Pending& p, Clock::time_point now);
   void Fail(const std::string& name, const std::string& why);
+  // `rank` called join(): it counts as ready for every collective until all have joined.
+  void Join(int rank, Clock::time_point now);
+  bool Complete(const Pending& p) const;
   std::string Ranks(const Pending& p, bool announced) const;
 
   int size_;
@@ -60,6 +64,9 @@ class Coordinator {
   int departed_count_ = 0;
   double stall_warn_s_, stall_shutdown_s_;
   Timeline* timeline_;
+  std::vector<bool> joined_;
+  int joined_count_ = 0;
+  int last_joiner_ = -1;
   std::unordered_map<std::string, Pending> pending_;
   std::vector<Decision> decisions_;
 };

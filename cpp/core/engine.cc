@@ -130,6 +130,10 @@ Status Engine::Validate(const Request& r) const {
   const RequestMeta& m = r.meta;
   const std::string what = std::string(CollectiveName(m.type)) + " '" + m.name + "'";
   if (m.name.empty()) return Status::Invalid("tf_mpi: every collective needs a name");
+  if (m.type == CollectiveType::kJoin) {
+    if (m.name != kJoinName || r.outputs.size() != 1) return Status::Invalid("tf_mpi: malformed join request");
+    return Status::OK();
+  }
   if (m.tensors.empty()) return Status::Invalid("tf_mpi: " + what + " has no tensors");
   if (r.inputs.size() != m.tensors.size())
     return Status::Invalid("tf_mpi: " + what + ": inputs do not match tensors");

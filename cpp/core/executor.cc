@@ -8,8 +8,30 @@
 
 namespace tfmpi {
 
-double Executor::PostScale(const RequestMeta& m) const {
-  return m.op == ReduceOp::kAverage ? m.postscale / mpi_->size() : m.postscale;
+double Executor::PostScale(const RequestMeta& m, int contributors) const {
+  return m.op == ReduceOp::kAverage ? m.postscale / contributors : m.postscale;
+}
+
+std::unique_ptr<Request> Executor::JoinedStandIn(const Response& r) {
+  auto req = std::make_unique<Request>();
+  req->meta = r.meta;
+  auto storage = std::make_shared<std::vector<std::vector<char>>>();
+  for (TensorMeta& t : req->meta.tensors) {
+    if (r.meta.type == CollectiveType::kAllgather) t.shape[0] = 0;  // contributes no rows
+    const int64_t count = NumElements(t.shape);
+    storage->emplace_back(std::max<int64_t>(1, count) * DataTypeSize(t.dtype));
+    FillIdentity(storage->back().data(), count, t.dtype, r.meta.op);
+    req->inputs.push_back(storage->back().data());
+    storage->emplace_back(std::max<int64_t>(1, count) * DataTypeSize(t.dtype));
+    req->outputs.push_back(storage->back().data());
+  }
+  auto gathered = std::make_shared<std::vector<std::vector<char>>>();
+  req->allocate = [gathered](size_t, const Shape& s) -> void* {
+    gathered->emplace_back(std::max<int64_t>(1, NumElements(s)) * 16);
+    return gathered->back().data();
+  };
+  req->done = [storage, gathered](const Status&) {};
+  return req;
 }
 
 namespace {
@@ -46,13 +68,21 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
   }
 
   std::vector<Work> allreduces, others;
+  std::vector<std::unique_ptr<Request>> stand_ins;
+  const bool joined = in_flight->count(kJoinName) > 0;
   for (const Response& r : responses) {
     auto it = in_flight->find(r.meta.name);
-    if (it == in_flight->end()) {
+    Request* req = nullptr;
+    if (it != in_flight->end()) {
+      req = it->second.get();
+    } else if (joined) {
+      stand_ins.push_back(JoinedStandIn(r));
+      req = stand_ins.back().get();
+    } else {
       LogError("rank 0 scheduled '" + r.meta.name + "', which this rank never submitted");
       return false;
     }
-    (r.meta.type == CollectiveType::kAllreduce ? allreduces : others).push_back({it->second.get(), &r});
+    (r.meta.type == CollectiveType::kAllreduce ? allreduces : others).push_back({req, &r});
   }
   RunAllreduces(allreduces);
   for (const Work& w : others) {
@@ -63,16 +93,18 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
       case CollectiveType::kBroadcast: RunBroadcast(w); break;
       case CollectiveType::kAlltoall: RunAlltoall(w); break;
       case CollectiveType::kReducescatter: RunReducescatter(w); break;
+      case CollectiveType::kJoin: *static_cast<int32_t*>(w.request->outputs[0]) = w.response->meta.root; break;
       default: break;
     }
     if (timeline_->active()) {
       static const char* names[] = {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BROADCAST", "MPI_ALLTOALL",
-                                    "MPI_REDUCESCATTER"};
+                                    "MPI_REDUCESCATTER", "JOIN"};
       Phase(timeline_, {w.request}, names[static_cast<int>(w.response->meta.type)], t0, "");
     }
   }
   for (const Response& r : responses) {
     auto it = in_flight->find(r.meta.name);
+    if (it == in_flight->end()) continue;  // a joined rank's stand-in
     it->second->done(Status::OK());
     in_flight->erase(it);
     ++stats_->requests;
@@ -81,7 +113,7 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
 }
 
 void Executor::RunAllreduces(const std::vector<Work>& work) {
-  struct Slot { Request* req; size_t t; int64_t count; };
+  struct Slot { Request* req; size_t t; int64_t count; int contributors; };
   std::vector<Slot> slots;
   std::vector<FusionItem> items;
   for (const Work& w : work) {
@@ -89,7 +121,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     for (size_t t = 0; t < m.tensors.size(); ++t) {
       const int64_t count = NumElements(m.tensors[t].shape);
       if (count == 0) continue;
-      slots.push_back({w.request, t, count});
+      slots.push_back({w.request, t, count, mpi_->size() - static_cast<int>(w.response->joined.size())});
       items.push_back({m.tensors[t].dtype, m.op, count * static_cast<int64_t>(DataTypeSize(m.tensors[t].dtype))});
     }
   }
@@ -116,7 +148,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
         in = out;
       }
       collectives_.Allreduce(in, out, first.count, dtype, op);
-      const double post = PostScale(m);
+      const double post = PostScale(m, first.contributors);
       if (post != 1.0) ScaleCopy(out, out, first.count, dtype, post);
       Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
       continue;
@@ -137,7 +169,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     offset = 0;
     for (size_t i : b.items) {
       const Slot& s = slots[i];
-      ScaleCopy(s.req->outputs[s.t], buf + offset, s.count, dtype, PostScale(s.req->meta));
+      ScaleCopy(s.req->outputs[s.t], buf + offset, s.count, dtype, PostScale(s.req->meta, s.contributors));
       offset += items[i].bytes;
     }
     Phase(timeline_, members, "MEMCPY_OUT_FUSION_BUFFER", t0, args);
@@ -195,7 +227,7 @@ void Executor::RunReducescatter(const Work& w) {
     }
     void* out = w.request->outputs[t];
     collectives_.ReduceScatter(in, out, counts, tm.dtype, m.op);
-    const double post = PostScale(m);
+    const double post = PostScale(m, mpi_->size());
     if (post != 1.0) ScaleCopy(out, out, counts[mpi_->rank()], tm.dtype, post);
   }
 }

@@ -40,12 +40,16 @@ class Executor {
 
  private:
   struct Work { Request* request; const Response* response; };
+  // A stand-in for a collective this rank did not submit because it called
+  // join(): zeros (the reduce op's identity) in, results discarded.
+  static std::unique_ptr<Request> JoinedStandIn(const Response& r);
   void RunAllreduces(const std::vector<Work>& work);
   void RunAllgather(const Work& w);
   void RunBroadcast(const Work& w);
   void RunAlltoall(const Work& w);
   void RunReducescatter(const Work& w);
-  double PostScale(const RequestMeta& m) const;
+  // Average divides by the ranks that contributed (not those that joined).
+  double PostScale(const RequestMeta& m, int contributors) const;
 
   const MpiContext* mpi_;
   Collectives collectives_;

@@ -54,8 +54,12 @@ struct Response {
   RequestMeta meta;                         // for kError only meta.name is set
   std::vector<std::vector<int64_t>> dim0;   // allgather: [tensor][rank] first dims
   std::vector<std::vector<int64_t>> splits; // alltoall: [sender][receiver] rows
+  std::vector<int32_t> joined;              // ranks that called join(): they contribute zeros
   std::string error;
 };
+
+// The name under which every rank's join() is negotiated.
+inline const char* kJoinName = "__tfmpi_join__";
 
 // "" when `a` and `b` can take part in the same collective, else which field
 // differs. Allgather tensors may differ in their first dimension.

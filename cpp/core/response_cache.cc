@@ -25,6 +25,8 @@ void ResponseCache::Put(const Response& r) {
   // Alltoall splits usually change from call to call; caching them would
   // only churn entries.
   if (r.meta.type == CollectiveType::kAlltoall) return;
+  // Responses shaped by joined ranks (zeros, 0 rows) or join itself are one-offs.
+  if (r.meta.type == CollectiveType::kJoin || !r.joined.empty()) return;
   auto it = ids_.find(r.meta.name);
   if (it != ids_.end()) {
     entries_[it->second] = r;

@@ -24,7 +24,7 @@ const char* ReduceOpName(ReduceOp op) {
 }
 
 const char* CollectiveName(CollectiveType t) {
-  static const char* names[] = {"allreduce", "allgather", "broadcast", "alltoall", "reducescatter"};
+  static const char* names[] = {"allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join"};
   return names[static_cast<int>(t)];
 }
 

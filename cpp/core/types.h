@@ -16,7 +16,7 @@ enum class DataType : uint8_t {
 
 enum class ReduceOp : uint8_t { kAverage = 0, kSum, kMin, kMax, kProduct, kAdasum };
 
-enum class CollectiveType : uint8_t { kAllreduce = 0, kAllgather, kBroadcast, kAlltoall, kReducescatter };
+enum class CollectiveType : uint8_t { kAllreduce = 0, kAllgather, kBroadcast, kAlltoall, kReducescatter, kJoin };
 
 size_t DataTypeSize(DataType t);
 const char* DataTypeName(DataType t);

@@ -106,6 +106,7 @@ std::vector<char> Encode(const std::vector<Decision>& items) {
         for (const auto& per_rank : d.response.dim0) w.Ints(per_rank);
         w.Pod<uint32_t>(d.response.splits.size());
         for (const auto& row : d.response.splits) w.Ints(row);
+        w.Ints(std::vector<int64_t>(d.response.joined.begin(), d.response.joined.end()));
         break;
       case Decision::Kind::kError: w.Str(d.response.meta.name); w.Str(d.response.error); break;
       case Decision::Kind::kShutdownAck: w.Pod(d.rank); break;
@@ -129,6 +130,7 @@ void Decode(const std::vector<char>& bytes, std::vector<Decision>* out) {
         for (auto& per_rank : d.response.dim0) per_rank = r.Ints();
         d.response.splits.resize(r.Pod<uint32_t>());
         for (auto& row : d.response.splits) row = r.Ints();
+        for (int64_t j : r.Ints()) d.response.joined.push_back(static_cast<int32_t>(j));
         break;
       case Decision::Kind::kError:
         d.response.kind = Response::Kind::kError;

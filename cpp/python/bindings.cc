@@ -144,6 +144,16 @@ PYBIND11_MODULE(_core, m) {
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("op"), py::arg("name"),
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
+  m.def("join", [] {
+    auto req = std::make_unique<Request>();
+    req->meta.name = kJoinName;
+    req->meta.type = CollectiveType::kJoin;
+    auto last = std::make_shared<int32_t>(-1);
+    req->outputs.push_back(last.get());
+    Run(std::move(req));
+    return *last;
+  }, "Blocks until every rank has called join(); meanwhile this rank contributes zeros to the others' "
+     "allreduces (and no rows to allgathers). Returns the last rank to join.");
   m.def("allgather", &Allgather, py::arg("array"), py::arg("name"));
   m.def("broadcast", &Broadcast, py::arg("array"), py::arg("root_rank"), py::arg("name"));
 }

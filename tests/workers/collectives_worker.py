@@ -165,6 +165,33 @@ def check_data_shard_by_rank():
     assert hvd.data.rank_seed(5) != hvd.allgather_object(hvd.data.rank_seed(5))[(R + 1) % N] or N == 1
 
 
+def check_join_with_uneven_batches():
+    # Rank r has 2 + r batches. Ranks that run out call join() and stand in
+    # with zeros; Average divides by the ranks still contributing.
+    steps = 2 + R
+    for s in range(steps):
+        active = sum(1 for r in range(N) if s < 2 + r)
+        x = tf.fill([3], float(R + 1))
+        total = hvd.allreduce(x, op=hvd.Sum, name=f"join.sum.{s}")
+        mean = hvd.allreduce(x, op=hvd.Average, name=f"join.avg.{s}")
+        want = sum(r + 1 for r in range(N) if s < 2 + r)
+        assert np.allclose(total.numpy(), want), (s, total.numpy(), want)
+        assert np.allclose(mean.numpy(), want / active), (s, mean.numpy(), want / active)
+        grouped = hvd.grouped_allreduce([x, tf.cast(x, tf.int32)], op=hvd.Sum, name=f"join.group.{s}")
+        assert int(grouped[1][0]) == want
+        gathered = hvd.allgather(tf.fill([R + 1], R), name=f"join.gather.{s}")
+        assert gathered.numpy().tolist() == [r for r in range(N) if s < 2 + r for _ in range(r + 1)], gathered
+    assert hvd.join() == N - 1  # the rank with the most batches joins last
+    # Everything is back to normal afterwards.
+    assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="after.join")) == N
+
+
+def check_join_refuses_collectives_that_cannot_stand_in():
+    if R == N - 1:
+        expect_error(lambda: hvd.broadcast(tf.ones([1]), root_rank=R, name="join.bcast"), "have called join()")
+    assert hvd.join() == N - 1  # rank N-1 joins after its failed broadcast
+
+
 def check_timeline_records_a_known_sequence():
     import json
     import tempfile

@@ -23,7 +23,7 @@ from tf_mpi.ops import (
     rank_op, size_op, local_rank_op, local_size_op,
 )
 from tf_mpi.functions import (
-    broadcast_variables, broadcast_object, broadcast_object_fn, allgather_object, barrier,
+    broadcast_variables, broadcast_, broadcast_object, broadcast_object_fn, allgather_object, barrier,
 )
 from tf_mpi import data
 from tf_mpi.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape

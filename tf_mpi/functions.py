@@ -27,6 +27,12 @@ def broadcast_variables(variables, root_rank, name="tfmpi.broadcast_variables"):
         v.assign(value)
 
 
+def broadcast_(variables, root_rank, name="tfmpi.broadcast_"):
+    """In-place broadcast (Horovod's ``hvd.broadcast_``): like broadcast_variables; returns the variables."""
+    broadcast_variables(variables, root_rank, name)
+    return variables
+
+
 def _dumps(obj):
     buf = io.BytesIO()
     cloudpickle.dump(obj, buf)

@@ -87,6 +87,18 @@ def check_alltoall_with_splits_including_zeros():
     assert np.array_equal(out.numpy(), want)
 
 
+def check_alltoall_where_rank_0_receives_nothing():
+    splits = [0] + [1] * (N - 1)  # nobody sends to rank 0
+    out, received = hvd.alltoall(tf.fill([N - 1, 2], R), splits=splits, name="a2a.none.to.0")
+    assert received.numpy().tolist() == ([0] * N if R == 0 else [1] * N)
+    assert out.shape == ((0, 2) if R == 0 else (N, 2))
+    if R:
+        assert out.numpy()[:, 0].tolist() == list(range(N))
+    v = tf.Variable(tf.fill([2], float(R)))
+    hvd.broadcast_([v], root_rank=N - 1)
+    assert np.all(v.numpy() == N - 1)
+
+
 def check_alltoall_equal_split_every_dtype():
     for dtype in DTYPES:
         out, received = hvd.alltoall(rows(R, 2 * N, dtype=dtype), name=f"a2a.eq.{dtype.name}")
@@ -115,6 +127,11 @@ def check_reducescatter_uneven_sum_and_average():
     assert np.allclose(got.numpy().astype(np.float32), 2 * mine, rtol=1e-3)
     a, b = hvd.grouped_reducescatter([x, tf.cast(x, tf.int64)], op=hvd.Sum, name="rs.group")
     assert np.array_equal(b.numpy(), mine.astype(np.int64))
+    small = tf.cast(tf.reshape(tf.range(total * 2) % 5 + R, [total, 2]), tf.float64)
+    small_mine = sum(np.arange(total * 2).reshape(total, 2) % 5 + r for r in range(N))[start:start + len(mine)]
+    for dtype in DTYPES[:-1]:  # every reducible dtype (not bool)
+        got = hvd.reducescatter(tf.cast(small, dtype), op=hvd.Sum, name=f"rs.{dtype.name}")
+        assert got.dtype == dtype and np.allclose(tf.cast(got, tf.float64).numpy(), small_mine), dtype.name
     expect_error(lambda: hvd.reducescatter(tf.constant(1.0), name="rs.scalar"), "at least one dimension")
 
 

@@ -95,10 +95,14 @@ class BuildTfMpi(build_ext):
                 return list(pool.map(one, sources))
 
         def link(objs, target, flags):
-            cmd = [mpicxx, "-shared", "-o", os.path.join(out_dir, target), *objs, *flags]
+            # Link to a temporary name, then rename: a process starting
+            # meanwhile sees the old library or the new one, never half of one.
+            final = os.path.join(out_dir, target)
+            cmd = [mpicxx, "-shared", "-o", final + ".tmp", *objs, *flags]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 fail(f"linking {target} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
+            os.replace(final + ".tmp", final)
 
         rpath = ["-Wl,-rpath,$ORIGIN", f"-L{out_dir}", "-ltfmpi_core"]
         core_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "core", "*.cc")))

@@ -271,6 +271,11 @@ def bench_sizes(repeats_override):
             f"{num(r['tf_floor']['median_s'] * scale):>6} {unit}")
         results.append(dict(bytes=nbytes, elements=n, ours=r["ours"], raw=r["raw"],
                             tf_function_floor=r["tf_floor"], ratio_median=ratio, overhead_median_s=delta))
+        if nbytes < MiB:
+            engine = bench_engine_only(n)
+            log(f"{'':>8} {'':>7} | {num(engine * scale) + ' ' + unit:>30}   per op, numpy through the engine "
+                f"(no TensorFlow): ours-raw {signed((engine - r['raw']['median_s']) * scale)} {unit}")
+            results[-1]["engine_only_median_s"] = engine
         if "ours_chain" in r:
             c = r["ours_chain"]
             log(f"{'':>8} {'':>7} | {fmt(c, scale) + ' ' + unit:>30}   per op, in a chain of {CHAIN} ops in one "
@@ -278,6 +283,21 @@ def bench_sizes(repeats_override):
             results[-1].update(ours_per_op_in_chain=c, chain_length=CHAIN,
                                chain_overhead_median_s=c["median_s"] - r["raw"]["median_s"])
     return results
+
+
+def bench_engine_only(n, calls=2000):
+    """Median per-call time of tf_mpi._core.allreduce on a numpy array (engine + binding, no TensorFlow)."""
+    x = np.ones(n, np.float32)
+    for _ in range(50):
+        basics._core.allreduce(x, hvd.Sum, "engine_only")
+    samples = []
+    for _ in range(5):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls // 5):
+            basics._core.allreduce(x, hvd.Sum, "engine_only")
+        samples.append((time.perf_counter() - t0) / (calls // 5))
+    return float(comm.allreduce(float(np.median(samples)), op=MPI.MAX))
 
 
 def bench_storm(repeats_override):

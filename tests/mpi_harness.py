@@ -44,16 +44,11 @@ class MpiRun:
         return f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n--- output tail ---\n{tail}"
 
 
-def run_mpi(np, worker, timeout, env=None, args=()):
-    """Runs tests/workers/<worker> on np ranks; never waits longer than timeout seconds."""
-    out_dir = tempfile.mkdtemp(prefix="tfmpi_test_")
-    full_env = mpirun_env()
-    full_env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "TF_MPI_TEST_OUT": out_dir, "PYTHONUNBUFFERED": "1"})
-    full_env.update(env or {})
-    cmd = mpirun_command(np, [sys.executable, os.path.join(WORKERS, worker), *args])
+def run_bounded(cmd, timeout, env, cwd=None):
+    """Runs cmd (e.g. an mpirun command) in its own process group; kills the
+    whole group after `timeout` s. Returns (returncode, output, elapsed, timed_out)."""
     start = time.time()
-    # Own process group, so a timeout kills mpirun and every rank.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                             start_new_session=True, text=True)
     timed_out = False
     try:
@@ -62,13 +57,29 @@ def run_mpi(np, worker, timeout, env=None, args=()):
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
+    return proc.returncode, output, time.time() - start, timed_out
+
+
+def launch_env(extra=None):
+    """Environment for launched ranks: Open MPI as root allowed, quiet TensorFlow, unbuffered output."""
+    env = mpirun_env()
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(np, worker, timeout, env=None, args=()):
+    """Runs tests/workers/<worker> on np ranks; never waits longer than timeout seconds."""
+    out_dir = tempfile.mkdtemp(prefix="tfmpi_test_")
+    cmd = mpirun_command(np, [sys.executable, os.path.join(WORKERS, worker), *args])
+    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, launch_env({"TF_MPI_TEST_OUT": out_dir, **(env or {})}))
     results = {}
     for name in os.listdir(out_dir):
         m = re.match(r"rank(\d+)\.json$", name)
         if m:
             with open(os.path.join(out_dir, name)) as f:
                 results[int(m.group(1))] = json.load(f)
-    return MpiRun(proc.returncode, output, results, time.time() - start, timed_out)
+    return MpiRun(rc, output, results, elapsed, timed_out)
 
 
 def check_names(worker):

@@ -340,7 +340,7 @@ void Engine::Loop() {
     for (auto& r : queue_) r->done(Status::Aborted("tf_mpi has been shut down"));
     queue_.clear();
   }
-  outbox.Drain(std::chrono::seconds(2));
+  outbox.Drain(std::chrono::milliseconds(500));
 }
 
 }  // namespace tfmpi

@@ -61,34 +61,30 @@ int Timeline::TrackId(const std::string& track) {
   return id;
 }
 
-void Timeline::Span(const std::string& track, const char* name, Clock::time_point start, Clock::time_point end,
-                    const std::string& args_json) {
+void Timeline::Emit(const std::string& track, const char* name, const char* phase_fields,
+                    Clock::time_point at, double duration_us, const std::string& args_json) {
   if (!active()) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (!file_) return;
   std::ostringstream os;
   os.setf(std::ios::fixed);
   os.precision(3);
-  os << "{\"name\": \"" << name << "\", \"ph\": \"X\", \"pid\": 0, \"tid\": " << TrackId(track)
-     << ", \"ts\": " << Micros(start) << ", \"dur\": " << std::max(0.0, Micros(end) - Micros(start));
+  os << "{\"name\": \"" << name << "\", " << phase_fields << ", \"pid\": 0, \"tid\": " << TrackId(track)
+     << ", \"ts\": " << Micros(at);
+  if (duration_us >= 0) os << ", \"dur\": " << duration_us;
   if (!args_json.empty()) os << ", \"args\": " << args_json;
   os << "}";
   Write(os.str());
 }
 
+void Timeline::Span(const std::string& track, const char* name, Clock::time_point start, Clock::time_point end,
+                    const std::string& args_json) {
+  Emit(track, name, "\"ph\": \"X\"", start, std::max(0.0, Micros(end) - Micros(start)), args_json);
+}
+
 void Timeline::Instant(const std::string& track, const char* name, Clock::time_point at,
                        const std::string& args_json) {
-  if (!active()) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!file_) return;
-  std::ostringstream os;
-  os.setf(std::ios::fixed);
-  os.precision(3);
-  os << "{\"name\": \"" << name << "\", \"ph\": \"i\", \"s\": \"t\", \"pid\": 0, \"tid\": " << TrackId(track)
-     << ", \"ts\": " << Micros(at);
-  if (!args_json.empty()) os << ", \"args\": " << args_json;
-  os << "}";
-  Write(os.str());
+  Emit(track, name, "\"ph\": \"i\", \"s\": \"t\"", at, -1.0, args_json);
 }
 
 }  // namespace tfmpi

@@ -33,6 +33,9 @@ class Timeline {
   void Instant(const std::string& track, const char* name, Clock::time_point at, const std::string& args_json = "");
 
  private:
+  // One event; duration_us < 0 for instants.
+  void Emit(const std::string& track, const char* name, const char* phase_fields, Clock::time_point at,
+            double duration_us, const std::string& args_json);
   int TrackId(const std::string& track);  // with mu_ held
   void Write(const std::string& event);   // with mu_ held
   double Micros(Clock::time_point t) const;

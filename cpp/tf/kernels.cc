@@ -69,7 +69,13 @@ class CollectiveOp : public AsyncOpKernel {
       for (int d = 0; d < in.dims(); ++d) shape.push_back(in.dim_size(d));
       req->meta.tensors.push_back({ToEngineType(in.dtype()), shape});
       req->inputs.push_back(in.tensor_data().data());
-      if (type_ == tfmpi::CollectiveType::kAllreduce || type_ == tfmpi::CollectiveType::kBroadcast) {
+      if (type_ == tfmpi::CollectiveType::kAllreduce) {
+        // Reduce in place when TensorFlow can hand us the input buffer (a
+        // temporary such as a gradient): saves allocating and touching a new one.
+        Tensor* out = nullptr;
+        OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out), done);
+        req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));
+      } else if (type_ == tfmpi::CollectiveType::kBroadcast) {
         Tensor* out = nullptr;
         OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
         req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));

@@ -44,7 +44,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """Averages the epoch's metrics over ranks before later callbacks see them.
 
     Put it before callbacks that read metrics (checkpointing, early stopping,
-    learning-rate schedules on plateau).
+    learning-rate schedules on plateau). Every rank must log the same metric
+    names (a mismatch is reported as an error by the engine).
 
     Example::
 
@@ -74,7 +75,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     ``multiplier`` is a number or a function of the (fractional, when not
     ``staircase``) epoch. With ``steps_per_epoch`` the rate is updated every
-    batch.
+    batch. ``momentum_correction`` is accepted for Horovod compatibility and
+    ignored (Keras 3 optimizers apply the current rate to their momentum).
 
     Example::
 
@@ -121,7 +123,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     Per batch: lr = initial_lr / size * (e * (size - 1) / warmup_epochs + 1),
     with e the fractional epoch (batch + 1) / steps_per_epoch + epoch, so the
-    last warm-up batch runs at initial_lr.
+    last warm-up batch runs at initial_lr. ``momentum_correction`` is accepted
+    for Horovod compatibility and ignored.
 
     Example::
 

@@ -184,12 +184,17 @@ def distributed_custom_objects():
     return objects
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, **kwargs):
     """``keras.models.load_model`` whose optimizer comes back as a DistributedOptimizer.
+
+    The DistributedOptimizer options are not stored in the file: pass them
+    again (``backward_passes_per_step`` cannot be restored this way; wrap a
+    fresh optimizer instead). Other keyword arguments go to keras.models.load_model.
 
     Example::
 
-        model = hvd.load_model("checkpoint.keras")
+        model = hvd.load_model("checkpoint.keras", compression=hvd.Compression.fp16)
     """
     objects = distributed_custom_objects()
     for cls in custom_optimizers or []:
@@ -198,5 +203,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
     opt = getattr(model, "optimizer", None)
     if isinstance(opt, _DistributedMixin):
-        opt._tfmpi_configure(GradientReducer(f"Distributed{type(opt).__name__}", compression=compression), 1, False)
+        reducer = GradientReducer(f"Distributed{type(opt).__name__}", op=op, compression=compression,
+                                  sparse_as_dense=sparse_as_dense,
+                                  gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups)
+        opt._tfmpi_configure(reducer, 1, False)
     return model

@@ -1,0 +1,176 @@
+"""examples/imdb_lstm.py end to end under real mpirun (2 ranks, synthetic corpus, small sizes).
+
+Three launches (each costs ~30 s of mpirun start-up, TensorFlow import and
+exit on a 2-core machine, plus a few seconds of training):
+
+  A. float32, 1 epoch, --checkpoint-dir D --plot P      (fresh start, saves)
+  B. float32, --epochs 2, same D                        (resumes at epoch 2)
+  C. mixed_float16, 2 epochs from scratch
+
+B's final accuracy is the float32 accuracy, so it also checks that resuming
+continues training (weights, optimizer state and step count) rather than
+restarting. C must land within 0.05 of it. Two quick single-process runs check
+the missing-data message and the schedule module (no MPI needed).
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from mpi_harness import mpirun_command, run_bounded, launch_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+EXAMPLE = os.path.join(REPO, "examples", "imdb_lstm.py")
+
+# 1500 reviews x 50 words per rank, 30 steps per epoch; the learning-rate
+# flags are the example's defaults, spelled out for the expected-rate check.
+LR0, DECAY, STEPS_PER_EPOCH = 2e-3, 0.9, 30
+SMALL = ["--synthetic", "--train-samples", "3000", "--test-samples", "600", "--maxlen", "50",
+         "--batch-size", "50", "--vocab", "5000", "--lr", str(LR0), "--lr-decay", str(DECAY),
+         "--warmup-epochs", "0.5"]
+LAUNCH_TIMEOUT = 300
+
+
+class Run:
+    def __init__(self, returncode, output, elapsed, timed_out):
+        self.returncode, self.output, self.elapsed, self.timed_out = returncode, output, elapsed, timed_out
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        self.results = [json.loads(line[len("RESULT "):]) for line in lines]
+        self.result = self.results[0] if len(self.results) == 1 else None
+
+    def describe(self):
+        return (f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n"
+                f"--- output tail ---\n{self.output[-6000:]}")
+
+    def assert_ok(self):
+        assert not self.timed_out and self.returncode == 0, self.describe()
+        assert self.result is not None, "expected exactly one RESULT line (rank 0 only)\n" + self.describe()
+
+
+def run_example(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
+    """Runs the example on np ranks (np=None: one plain process, no mpirun); never waits past timeout.
+
+    tf_mpi comes from wherever the environment provides it, as for the other
+    tests (CI: the installed package). Runs outside the repository root, whose
+    tf_mpi/ may lack the compiled engine.
+    """
+    program = [sys.executable, EXAMPLE, *args]
+    cmd = program if np is None else mpirun_command(np, program)
+    run = Run(*run_bounded(cmd, timeout, launch_env(), cwd=cwd))
+    print(f"imdb_lstm {' '.join(args)}: {run.elapsed:.1f}s, rc={run.returncode}, result={run.result}")
+    return run
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("imdb_lstm")
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir):
+    return run_example(SMALL + ["--epochs", "1", "--checkpoint-dir", str(workdir / "ckpt"),
+                                "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+
+
+@pytest.fixture(scope="module")
+def resumed_run(first_run, workdir):
+    first_run.assert_ok()
+    return run_example(SMALL + ["--epochs", "2", "--checkpoint-dir", str(workdir / "ckpt"),
+                                "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+
+
+@pytest.fixture(scope="module")
+def mixed_run(workdir):
+    return run_example(SMALL + ["--epochs", "2", "--precision", "mixed_float16"], cwd=str(workdir))
+
+
+def _state(workdir):
+    with open(workdir / "ckpt" / "state.json") as f:
+        return json.load(f)
+
+
+def expected_lr(step):
+    """The example's schedule after `step` optimizer steps (2 workers), computed independently."""
+    base = LR0 * 2 / (1 + 2 / 100)
+    return base * DECAY ** math.floor(step / STEPS_PER_EPOCH)  # past the 0.5-epoch warm-up
+
+
+def test_first_run_trains_and_checkpoints(first_run, workdir):
+    first_run.assert_ok()
+    r = first_run.result
+    assert (r["ranks"], r["precision"], r["initial_epoch"], r["epochs_run"]) == (2, "float32", 0, 1), r
+    assert r["train_samples_per_rank"] == 1500, r
+    assert r["weights_identical"] and r["optimizer_state_identical"], r
+    state = _state(workdir)
+    assert state["epoch"] == 1 and len(state["history"]) == 1, state
+    assert os.path.exists(workdir / "ckpt" / state["model"])
+
+
+def test_resume_starts_at_saved_epoch_with_identical_replicas(resumed_run, workdir):
+    resumed_run.assert_ok()
+    r = resumed_run.result
+    assert r["initial_epoch"] == 1 and r["epochs_run"] == 1, r   # Keras epoch index 1 = the 2nd epoch
+    assert "resuming from" in resumed_run.output
+    assert r["weights_identical"] and r["optimizer_state_identical"], r
+    # The optimizer's step count came back with the checkpoint: the schedule
+    # is at epoch 2's rate, not restarted.
+    assert r["learning_rate"] == pytest.approx(expected_lr(2 * STEPS_PER_EPOCH), rel=1e-5), r
+    state = _state(workdir)
+    assert state["epoch"] == 2 and len(state["history"]) == 2, state
+    assert sorted(os.listdir(workdir / "ckpt")) == ["model-epoch002.keras", "state.json"]
+    with open(workdir / "curves.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_float32_accuracy(resumed_run):
+    resumed_run.assert_ok()
+    assert resumed_run.result["val_accuracy"] > 0.75, resumed_run.result
+
+
+def test_mixed_float16_matches_float32(mixed_run, resumed_run):
+    mixed_run.assert_ok()
+    resumed_run.assert_ok()
+    m, f = mixed_run.result, resumed_run.result
+    assert m["precision"] == "mixed_float16" and m["initial_epoch"] == 0 and m["epochs_run"] == 2, m
+    assert m["weights_identical"] and m["optimizer_state_identical"], m
+    assert abs(m["val_accuracy"] - f["val_accuracy"]) <= 0.05, (m, f)
+
+
+def test_missing_data_says_how_to_get_it(workdir):
+    run = run_example(["--data", str(workdir / "absent" / "imdb.npz")], np=None, timeout=120, cwd=str(workdir))
+    assert not run.timed_out, run.describe()
+    assert run.returncode not in (0, None), run.describe()
+    assert "tf-keras-datasets/imdb.npz" in run.output and "--synthetic" in run.output, run.describe()
+    assert not run.results, run.describe()
+
+
+SCHEDULE_CHECKS = r"""
+import math, keras
+import tf_mpi
+from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr
+assert not tf_mpi.is_initialized()
+assert math.isclose(worker_scaled_lr(1e-3, 1), 1e-3 / 1.01)
+assert math.isclose(worker_scaled_lr(1e-3, 8), 8e-3 / 1.08)
+assert worker_scaled_lr(1e-3, 10**6) < 0.1 and worker_scaled_lr(1e-3, 64, max_lr=0.02) == 0.02
+s = WorkerScaledSchedule(1e-3, 8, steps_per_epoch=10, decay=0.5, warmup_epochs=1.5)
+lrs = [float(s(k)) for k in range(60)]
+assert all(math.isclose(a, s.value(0, k), rel_tol=1e-5) for k, a in enumerate(lrs))
+assert math.isclose(lrs[0], 1e-3 + (s.base_lr - 1e-3) / 15, rel_tol=1e-5)   # warm-up starts near lr0
+assert all(b >= a - 1e-9 for a, b in zip(lrs[:10], lrs[1:10]))             # rises during warm-up
+assert math.isclose(lrs[25], s.base_lr / 4, rel_tol=1e-5)                   # epoch 2: decay ** 2
+assert max(lrs) <= s.base_lr * (1 + 1e-6)
+again = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(s))
+assert type(again) is WorkerScaledSchedule and again.get_config() == s.get_config()
+opt = keras.optimizers.Adam.from_config(keras.optimizers.Adam(s).get_config())
+assert opt._learning_rate.get_config() == s.get_config()
+print("SCHEDULE_OK")
+"""
+
+
+def test_schedule_module_without_mpi(workdir):
+    proc = subprocess.run([sys.executable, "-c", SCHEDULE_CHECKS], env=_env(), capture_output=True, text=True,
+                          timeout=120, cwd=str(workdir))
+    assert proc.returncode == 0 and "SCHEDULE_OK" in proc.stdout, proc.stdout + proc.stderr

@@ -171,6 +171,6 @@ print("SCHEDULE_OK")
 
 
 def test_schedule_module_without_mpi(workdir):
-    proc = subprocess.run([sys.executable, "-c", SCHEDULE_CHECKS], env=_env(), capture_output=True, text=True,
-                          timeout=120, cwd=str(workdir))
-    assert proc.returncode == 0 and "SCHEDULE_OK" in proc.stdout, proc.stdout + proc.stderr
+    rc, output, _, timed_out = run_bounded([sys.executable, "-c", SCHEDULE_CHECKS], 120, launch_env(),
+                                           cwd=str(workdir))
+    assert rc == 0 and not timed_out and "SCHEDULE_OK" in output, output

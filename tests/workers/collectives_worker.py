@@ -94,6 +94,11 @@ def check_alltoall_where_rank_0_receives_nothing():
     assert out.shape == ((0, 2) if R == 0 else (N, 2))
     if R:
         assert out.numpy()[:, 0].tolist() == list(range(N))
+    # Rank 0 sends nothing at all (0 rows); the others send it one row each.
+    mine = tf.zeros([0, 2]) if R == 0 else tf.fill([N, 2], float(R))
+    out, received = hvd.alltoall(mine, splits=[0] * N if R == 0 else [1] * N, name="a2a.rank0.sends.nothing")
+    assert received.numpy().tolist() == [0] + [1] * (N - 1)
+    assert out.numpy()[:, 0].tolist() == [float(j) for j in range(1, N)]
     v = tf.Variable(tf.fill([2], float(R)))
     hvd.broadcast_([v], root_rank=N - 1)
     assert np.all(v.numpy() == N - 1)

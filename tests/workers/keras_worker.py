@@ -84,7 +84,9 @@ def fit_pair(make_opt, steps=5, batch=B, dist_kwargs=None, ref_batch=None, model
 
 def check_fit_matches_single_process_sgd_and_adam():
     for name, make_opt in (("sgd", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
-                           ("adam", lambda: keras.optimizers.Adam(0.01))):
+                           ("adam", lambda: keras.optimizers.Adam(0.01)),
+                           ("adamw", lambda: keras.optimizers.AdamW(0.01, weight_decay=0.01)),
+                           ("rmsprop", lambda: keras.optimizers.RMSprop(0.01))):
         model, ref = fit_pair(make_opt)
         weights_close(model, ref, name)
         assert_identical_across_ranks(model, name)
@@ -133,10 +135,20 @@ def check_weights_bit_identical_after_every_epoch_from_different_starts():
     x, y = global_data(3, seed=5)
     model = make_model(seed=100 + R)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=False)
+    # Optimizer state differs too (as if restored from different checkpoints):
+    # the callback must broadcast it, or the ranks' updates would differ.
+    model.optimizer.build(model.trainable_variables)
+    for v in model.optimizer.variables:
+        if "momentum" in v.path:
+            v.assign(tf.fill(v.shape, 0.01 * (R + 1)))
     model.fit(shard(x), shard(y), batch_size=B, epochs=3, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank=1), DigestEachEpoch()])
     ref = make_model(seed=101)  # rank 1's start
     ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)
+    ref.optimizer.build(ref.trainable_variables)
+    for v in ref.optimizer.variables:
+        if "momentum" in v.path:
+            v.assign(tf.fill(v.shape, 0.02))  # rank 1's optimizer state
     ref.fit(x, y, batch_size=N * B, epochs=3, shuffle=False, verbose=0)
     weights_close(model, ref, "broadcast from rank 1")
 

@@ -110,8 +110,11 @@ class Plan:
         return "\n".join(lines)
 
 
-def _nbytes(t):
-    return int(np.prod(t.shape.as_list())) * t.dtype.size
+def _nbytes(grad, variable):
+    """Bytes of a gradient; from its variable's shape when tracing left the
+    gradient's shape partly unknown (e.g. Dense on a [None, T, C] input)."""
+    shape = grad.shape if grad.shape.is_fully_defined() else variable.shape
+    return int(np.prod(list(shape), dtype=np.int64)) * grad.dtype.size
 
 
 def production_order(grads):
@@ -185,7 +188,7 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
       groups: explicit lists of variables; variables in no list form one last group.
       cost_model: a CostModel; default: measured once (collective).
     """
-    sizes = [_nbytes(g) for g in grads]
+    sizes = [_nbytes(g, v) for g, v in zip(grads, variables)]
     names = [getattr(v, "path", None) or getattr(v, "name", str(i)) for i, v in enumerate(variables)]
     order = production_order(grads)
     model = None

@@ -284,6 +284,23 @@ def check_sparse_embedding_gradients_gathered_or_densified():
         assert_identical_across_ranks(model, f"emb{kwargs}")
 
 
+def check_tape_with_unknown_gradient_shapes_in_tf_function():
+    # Dense on a [batch, time, features] input traced with an unknown batch
+    # size gives a kernel gradient of static shape [None, 1].
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.Dense(1)])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5, 3], tf.float32)])
+    def grads(xb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(xb))
+        return hvd.DistributedGradientTape(tape, name="unknown.shapes").gradient(loss, model.trainable_variables)
+
+    g = grads(tf.ones([R + 2, 5, 3]))  # a different batch size on each rank
+    mean_batch = sum(r + 2 for r in range(N)) / N
+    assert np.allclose(g[0].numpy(), 5 * mean_batch) and np.allclose(g[1].numpy(), 5 * mean_batch), g
+
+
 def check_frozen_layers_and_missing_gradients():
     model, ref = fit_pair(lambda: keras.optimizers.SGD(0.1), model_fn=lambda s: make_model(s, frozen="d0"))
     weights_close(model, ref, "frozen d0")

@@ -1,0 +1,161 @@
+"""examples/disruption_lstm.py and examples/benchmark_lstm.py end to end under real mpirun (2 ranks).
+
+Four launches (each costs ~30 s of mpirun start-up, TensorFlow import,
+tracing and exit on a 2-core machine, plus a few seconds of work):
+
+  A. disruption, float32, 1 epoch, --checkpoint-dir D --plot P   (fresh start, saves)
+  B. disruption, float32, --epochs 2, same D                      (resumes at epoch 2)
+  C. disruption, mixed_float16 with fp16 compression, 2 epochs from scratch
+  D. benchmark_lstm, a few steps of a small model, --json J
+
+B's final AUC is the float32 AUC, so it also checks that resuming continues
+training (weights, optimizer state and step count) rather than restarting.
+C must land within 0.05 of it.
+"""
+import json
+import os
+import sys
+
+import pytest
+
+from mpi_harness import launch_env, mpirun_command, run_bounded
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DISRUPTION = os.path.join(REPO, "examples", "disruption_lstm.py")
+BENCHMARK = os.path.join(REPO, "examples", "benchmark_lstm.py")
+
+# 400 training shots per rank, 4 windows of 64 steps each per epoch: 50
+# steps of 32 windows per epoch and rank. The learning-rate flags are the
+# example's defaults, spelled out for the expected-rate check.
+LR0, DECAY, STEPS_PER_EPOCH = 3e-3, 0.9, 50
+SMALL = ["--train-shots", "800", "--test-shots", "400", "--windows-per-shot", "4", "--batch-size", "32",
+         "--lr", str(LR0), "--lr-decay", str(DECAY), "--warmup-epochs", "0.5"]
+LAUNCH_TIMEOUT = 300
+
+
+class Run:
+    def __init__(self, returncode, output, elapsed, timed_out):
+        self.returncode, self.output, self.elapsed, self.timed_out = returncode, output, elapsed, timed_out
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        self.results = [json.loads(line[len("RESULT "):]) for line in lines]
+        self.result = self.results[0] if len(self.results) == 1 else None
+
+    def describe(self):
+        return (f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n"
+                f"--- output tail ---\n{self.output[-6000:]}")
+
+    def assert_ok(self):
+        assert not self.timed_out and self.returncode == 0, self.describe()
+        assert self.result is not None, "expected exactly one RESULT line (rank 0 only)\n" + self.describe()
+
+
+def launch(script, args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
+    """Runs script on np ranks under mpirun; never waits past timeout.
+
+    Runs outside the repository root (tf_mpi comes from the environment, as
+    for the other tests).
+    """
+    cmd = mpirun_command(np, [sys.executable, script, *args])
+    run = Run(*run_bounded(cmd, timeout, launch_env(), cwd=cwd))
+    print(f"{os.path.basename(script)} {' '.join(args)}: {run.elapsed:.1f}s, rc={run.returncode}, "
+          f"result={run.result}")
+    return run
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("disruption_lstm")
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir):
+    return launch(DISRUPTION, SMALL + ["--epochs", "1", "--checkpoint-dir", str(workdir / "ckpt"),
+                                       "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+
+
+@pytest.fixture(scope="module")
+def resumed_run(first_run, workdir):
+    first_run.assert_ok()
+    return launch(DISRUPTION, SMALL + ["--epochs", "2", "--checkpoint-dir", str(workdir / "ckpt"),
+                                       "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+
+
+@pytest.fixture(scope="module")
+def mixed_run(workdir):
+    return launch(DISRUPTION, SMALL + ["--epochs", "2", "--precision", "mixed_float16", "--compression", "fp16"],
+                  cwd=str(workdir))
+
+
+def _state(workdir):
+    with open(workdir / "ckpt" / "state.json") as f:
+        return json.load(f)
+
+
+def expected_lr(step):
+    """The example's schedule after `step` optimizer steps (2 workers), computed independently."""
+    base = LR0 * 2 / (1 + 2 / 100)
+    return base * DECAY ** (step // STEPS_PER_EPOCH)  # past the 0.5-epoch warm-up
+
+
+def test_first_run_trains_and_checkpoints(first_run, workdir):
+    first_run.assert_ok()
+    r = first_run.result
+    assert (r["example"], r["ranks"], r["precision"], r["initial_epoch"], r["epochs_run"]) == \
+        ("disruption_lstm", 2, "float32", 0, 1), r
+    assert r["train_shots_per_rank"] == 400 and r["test_shots"] == 400, r
+    assert r["weights_identical"] and r["optimizer_state_identical"], r
+    assert 0.0 <= r["auc"] <= 1.0 and r["loss"] > 0, r
+    state = _state(workdir)
+    assert state["epoch"] == 1 and len(state["history"]) == 1, state
+    assert os.path.exists(workdir / "ckpt" / state["file"])
+
+
+def test_resume_starts_at_saved_epoch_with_identical_replicas(resumed_run, workdir):
+    resumed_run.assert_ok()
+    r = resumed_run.result
+    assert r["initial_epoch"] == 1 and r["epochs_run"] == 1 and r["epochs"] == 2, r
+    assert "resuming from" in resumed_run.output
+    assert r["weights_identical"] and r["optimizer_state_identical"], r
+    # The optimizer's step count came back with the checkpoint: the schedule
+    # is at epoch 3's rate, not restarted.
+    assert r["learning_rate"] == pytest.approx(expected_lr(2 * STEPS_PER_EPOCH), rel=1e-5), r
+    state = _state(workdir)
+    assert state["epoch"] == 2 and len(state["history"]) == 2, state
+    assert sorted(os.listdir(workdir / "ckpt")) == ["ckpt-epoch002.npz", "state.json"]
+    with open(workdir / "curves.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_float32_shot_level_auc(resumed_run):
+    resumed_run.assert_ok()
+    assert resumed_run.result["auc"] > 0.8, resumed_run.result
+
+
+def test_mixed_float16_matches_float32(mixed_run, resumed_run):
+    mixed_run.assert_ok()
+    resumed_run.assert_ok()
+    m, f = mixed_run.result, resumed_run.result
+    assert (m["precision"], m["compression"], m["initial_epoch"], m["epochs_run"]) == \
+        ("mixed_float16", "fp16", 0, 2), m
+    assert m["weights_identical"] and m["optimizer_state_identical"], m
+    assert m["loss_scale"] > 0, m
+    assert m["auc"] > 0.8, m
+    assert abs(m["auc"] - f["auc"]) <= 0.05, (m, f)
+
+
+def test_benchmark_smoke(workdir):
+    out = workdir / "bench.json"
+    run = launch(BENCHMARK, ["--steps", "3", "--warmup", "1", "--seq-len", "20", "--vocab", "2000",
+                             "--units", "32", "--precision", "mixed_float16", "--compression", "fp16",
+                             "--json", str(out)], timeout=200, cwd=str(workdir))
+    run.assert_ok()
+    r = run.result
+    assert r["example"] == "benchmark_lstm" and r["ranks"] == 2 and r["steps"] == 3, r
+    (entry,) = r["results"]
+    assert (entry["precision"], entry["compression"]) == ("mixed_float16", "fp16"), entry
+    assert entry["samples_per_sec_total"] > 0 and len(entry["per_rank"]) == 2, entry
+    assert all(x > 0 for x in entry["per_rank"]), entry
+    with open(out) as f:
+        assert json.load(f) == r
+    assert "samples/s total" in run.output  # the table

@@ -118,6 +118,14 @@ class BuildTfMpi(build_ext):
             py_objs, tf_objs = py_job.result(), tf_job.result()
         link(py_objs, "_core" + sysconfig.get_config_var("EXT_SUFFIX"), rpath)
         link(tf_objs, "libtfmpi_tf.so", rpath + tf_lflags)
+        if not self.inplace:
+            # Also place them in the checkout, so that `import tf_mpi` works from
+            # the repository root too (where Python finds the source package
+            # before the installed one).
+            for name in ("libtfmpi_core.so", "_core" + sysconfig.get_config_var("EXT_SUFFIX"), "libtfmpi_tf.so"):
+                dest = os.path.join(ROOT, "tf_mpi", name)
+                shutil.copy2(os.path.join(out_dir, name), dest + ".tmp")
+                os.replace(dest + ".tmp", dest)
         print(f"tf_mpi: built libraries in {out_dir}", flush=True)
 
 

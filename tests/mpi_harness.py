@@ -82,6 +82,38 @@ def run_mpi(np, worker, timeout, env=None, args=()):
     return MpiRun(rc, output, results, elapsed, timed_out)
 
 
+class ExampleRun:
+    """An example program's run: its output and the JSON of its one `RESULT {...}` line (rank 0)."""
+
+    def __init__(self, returncode, output, elapsed, timed_out):
+        self.returncode, self.output, self.elapsed, self.timed_out = returncode, output, elapsed, timed_out
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        self.results = [json.loads(line[len("RESULT "):]) for line in lines]
+        self.result = self.results[0] if len(self.results) == 1 else None
+
+    def describe(self):
+        return (f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n"
+                f"--- output tail ---\n{self.output[-6000:]}")
+
+    def assert_ok(self):
+        assert not self.timed_out and self.returncode == 0, self.describe()
+        assert self.result is not None, "expected exactly one RESULT line (rank 0 only)\n" + self.describe()
+
+
+def run_example(script, args, np=2, timeout=300, cwd=None):
+    """Runs examples/<script> on np ranks (np=None: one plain process); never waits past timeout.
+
+    tf_mpi comes from the environment (CI: the installed package); run it
+    outside the repository root via `cwd`.
+    """
+    path = os.path.join(os.path.dirname(HERE), "examples", script)
+    program = [sys.executable, path, *args]
+    cmd = program if np is None else mpirun_command(np, program)
+    run = ExampleRun(*run_bounded(cmd, timeout, launch_env(), cwd=cwd))
+    print(f"{script} {' '.join(args)}: {run.elapsed:.1f}s, rc={run.returncode}, result={run.result}")
+    return run
+
+
 def check_names(worker):
     """Names of the check_* functions a worker defines (read without importing it)."""
     with open(os.path.join(WORKERS, worker)) as f:

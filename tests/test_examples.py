@@ -19,11 +19,8 @@ import sys
 
 import pytest
 
-from mpi_harness import mpirun_command, run_bounded, launch_env
+from mpi_harness import launch_env, run_bounded, run_example
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-EXAMPLE = os.path.join(REPO, "examples", "imdb_lstm.py")
 
 # 1500 reviews x 50 words per rank, 30 steps per epoch; the learning-rate
 # flags are the example's defaults, spelled out for the expected-rate check.
@@ -34,34 +31,8 @@ SMALL = ["--synthetic", "--train-samples", "3000", "--test-samples", "600", "--m
 LAUNCH_TIMEOUT = 300
 
 
-class Run:
-    def __init__(self, returncode, output, elapsed, timed_out):
-        self.returncode, self.output, self.elapsed, self.timed_out = returncode, output, elapsed, timed_out
-        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-        self.results = [json.loads(line[len("RESULT "):]) for line in lines]
-        self.result = self.results[0] if len(self.results) == 1 else None
-
-    def describe(self):
-        return (f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n"
-                f"--- output tail ---\n{self.output[-6000:]}")
-
-    def assert_ok(self):
-        assert not self.timed_out and self.returncode == 0, self.describe()
-        assert self.result is not None, "expected exactly one RESULT line (rank 0 only)\n" + self.describe()
-
-
-def run_example(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
-    """Runs the example on np ranks (np=None: one plain process, no mpirun); never waits past timeout.
-
-    tf_mpi comes from wherever the environment provides it, as for the other
-    tests (CI: the installed package). Runs outside the repository root, whose
-    tf_mpi/ may lack the compiled engine.
-    """
-    program = [sys.executable, EXAMPLE, *args]
-    cmd = program if np is None else mpirun_command(np, program)
-    run = Run(*run_bounded(cmd, timeout, launch_env(), cwd=cwd))
-    print(f"imdb_lstm {' '.join(args)}: {run.elapsed:.1f}s, rc={run.returncode}, result={run.result}")
-    return run
+def run_imdb(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
+    return run_example("imdb_lstm.py", args, np=np, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +42,20 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_run(workdir):
-    return run_example(SMALL + ["--epochs", "1", "--checkpoint-dir", str(workdir / "ckpt"),
+    return run_imdb(SMALL + ["--epochs", "1", "--checkpoint-dir", str(workdir / "ckpt"),
                                 "--plot", str(workdir / "curves.png")], cwd=str(workdir))
 
 
 @pytest.fixture(scope="module")
 def resumed_run(first_run, workdir):
     first_run.assert_ok()
-    return run_example(SMALL + ["--epochs", "2", "--checkpoint-dir", str(workdir / "ckpt"),
+    return run_imdb(SMALL + ["--epochs", "2", "--checkpoint-dir", str(workdir / "ckpt"),
                                 "--plot", str(workdir / "curves.png")], cwd=str(workdir))
 
 
 @pytest.fixture(scope="module")
 def mixed_run(workdir):
-    return run_example(SMALL + ["--epochs", "2", "--precision", "mixed_float16"], cwd=str(workdir))
+    return run_imdb(SMALL + ["--epochs", "2", "--precision", "mixed_float16"], cwd=str(workdir))
 
 
 def _state(workdir):
@@ -140,7 +111,7 @@ def test_mixed_float16_matches_float32(mixed_run, resumed_run):
 
 
 def test_missing_data_says_how_to_get_it(workdir):
-    run = run_example(["--data", str(workdir / "absent" / "imdb.npz")], np=None, timeout=120, cwd=str(workdir))
+    run = run_imdb(["--data", str(workdir / "absent" / "imdb.npz")], np=None, timeout=120, cwd=str(workdir))
     assert not run.timed_out, run.describe()
     assert run.returncode not in (0, None), run.describe()
     assert "tf-keras-datasets/imdb.npz" in run.output and "--synthetic" in run.output, run.describe()

@@ -14,16 +14,12 @@ C must land within 0.05 of it.
 """
 import json
 import os
-import sys
 
 import pytest
 
-from mpi_harness import launch_env, mpirun_command, run_bounded
+from mpi_harness import run_example
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-DISRUPTION = os.path.join(REPO, "examples", "disruption_lstm.py")
-BENCHMARK = os.path.join(REPO, "examples", "benchmark_lstm.py")
+DISRUPTION, BENCHMARK = "disruption_lstm.py", "benchmark_lstm.py"
 
 # 400 training shots per rank, 4 windows of 64 steps each per epoch: 50
 # steps of 32 windows per epoch and rank. The learning-rate flags are the
@@ -34,33 +30,8 @@ SMALL = ["--train-shots", "800", "--test-shots", "400", "--windows-per-shot", "4
 LAUNCH_TIMEOUT = 300
 
 
-class Run:
-    def __init__(self, returncode, output, elapsed, timed_out):
-        self.returncode, self.output, self.elapsed, self.timed_out = returncode, output, elapsed, timed_out
-        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-        self.results = [json.loads(line[len("RESULT "):]) for line in lines]
-        self.result = self.results[0] if len(self.results) == 1 else None
-
-    def describe(self):
-        return (f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n"
-                f"--- output tail ---\n{self.output[-6000:]}")
-
-    def assert_ok(self):
-        assert not self.timed_out and self.returncode == 0, self.describe()
-        assert self.result is not None, "expected exactly one RESULT line (rank 0 only)\n" + self.describe()
-
-
 def launch(script, args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
-    """Runs script on np ranks under mpirun; never waits past timeout.
-
-    Runs outside the repository root (tf_mpi comes from the environment, as
-    for the other tests).
-    """
-    cmd = mpirun_command(np, [sys.executable, script, *args])
-    run = Run(*run_bounded(cmd, timeout, launch_env(), cwd=cwd))
-    print(f"{os.path.basename(script)} {' '.join(args)}: {run.elapsed:.1f}s, rc={run.returncode}, "
-          f"result={run.result}")
-    return run
+    return run_example(script, args, np=np, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ returned. Runs at np=2 (default fusion) and np=3 (fusion off, tiny MPI chunks).
 """
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

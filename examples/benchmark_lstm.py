@@ -53,6 +53,8 @@ import keras  # noqa: E402
 import tf_mpi.keras as hvd  # noqa: E402
 from tf_mpi.functions import allgather_object  # noqa: E402
 
+from example_utils import new_figure, rank_logger, save_figure  # noqa: E402
+
 PRECISIONS = ["float32", "mixed_float16"]
 COMPRESSIONS = ["none", "fp16"]
 
@@ -191,16 +193,11 @@ def format_table(report):
 
 def plot_scaling(reports, path):
     """Total throughput (left) and scaling efficiency (right) against ranks, one line per combination."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     series = {}
     for report in reports:
         for e in report["results"]:
             series.setdefault(key_of(e), {})[report["ranks"]] = e["samples_per_sec_total"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = new_figure(2, (11, 4))
     for (precision, compression), points in sorted(series.items()):
         ranks = sorted(points)
         totals = [points[n] for n in ranks]
@@ -213,15 +210,7 @@ def plot_scaling(reports, path):
     axes[0].set_ylabel("samples/s, all ranks (dotted: linear)")
     axes[1].set_ylabel("efficiency vs. fewest ranks")
     axes[1].axhline(1.0, color="gray", lw=0.8)
-    for ax in axes:
-        ax.set_xlabel("ranks")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("LSTM text classifier throughput (synthetic data)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, axes, path, "LSTM text classifier throughput (synthetic data)", "ranks", legend_fontsize=8)
 
 
 # ----------------------------------------------------------------------------- main
@@ -231,9 +220,7 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
-    def log(msg):
-        if rank == 0 or args.verbose:
-            print(f"[rank {rank}] {msg}" if args.verbose else msg, flush=True)
+    log = rank_logger(rank, args.verbose)
 
     if args.results:  # plot only
         if rank == 0:

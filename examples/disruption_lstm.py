@@ -58,7 +58,6 @@ import time
 START = time.time()
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
@@ -74,6 +73,8 @@ import keras  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
 from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr  # noqa: E402
+
+from example_utils import new_figure, rank_logger, save_figure, sha256_of  # noqa: E402
 
 # The diagnostics of the synthetic shots: (name, sampling period in steps).
 # Fast magnetics every step, slow equilibrium reconstruction every 10 steps.
@@ -372,21 +373,9 @@ def load_checkpoint(directory, state, model, opt):
 
 # ----------------------------------------------------------------------------- reporting
 
-def sha256_of(arrays):
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(np.ascontiguousarray(keras.ops.convert_to_numpy(a)).tobytes())
-    return h.hexdigest()
-
-
 def plot_history(history, path, title):
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     epochs = np.arange(1, len(history) + 1)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = new_figure(2, (10, 4))
     for key, style, label in [("loss", "o-", "loss (training windows)"),
                               ("val_loss", "s--", "val_loss (held-out shots)")]:
         axes[0].plot(epochs, [h.get(key, np.nan) for h in history], style, label=label)
@@ -395,15 +384,7 @@ def plot_history(history, path, title):
         axes[1].plot(epochs, [h.get(key, np.nan) for h in history], style,
                      label={"auc": "held-out shots", "train_auc": "training shots"}[key])
     axes[1].set_ylabel("shot-level ROC AUC")
-    for ax in axes:
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, axes, path, title, "epoch")
 
 
 # ----------------------------------------------------------------------------- main
@@ -413,9 +394,7 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
-    def log(msg):
-        if rank == 0 or args.verbose:
-            print(f"[rank {rank}] {msg}" if args.verbose else msg, flush=True)
+    log = rank_logger(rank, args.verbose)
 
     # Data: every rank generates the same shots and keeps its share. The
     # normalization uses all training shots, so it is the same everywhere.

@@ -43,7 +43,6 @@ import time
 START = time.time()
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -60,6 +59,8 @@ import keras  # noqa: E402
 
 import tf_mpi.keras as hvd  # noqa: E402
 from tf_mpi.functions import allgather_object, broadcast_object  # noqa: E402
+
+from example_utils import new_figure, rank_logger, save_figure, sha256_of  # noqa: E402
 from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr  # noqa: E402
 
 IMDB_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/imdb.npz"
@@ -257,34 +258,15 @@ def write_json_atomic(path, obj):
 
 # ----------------------------------------------------------------------------- reporting
 
-def sha256_of(arrays):
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(np.ascontiguousarray(keras.ops.convert_to_numpy(a)).tobytes())
-    return h.hexdigest()
-
-
 def plot_history(history, path, title):
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     epochs = np.arange(1, len(history) + 1)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = new_figure(2, (10, 4))
     for ax, metric in zip(axes, ["loss", "accuracy"]):
         for key, style in [(metric, "o-"), ("val_" + metric, "s--")]:
             values = [h.get(key, np.nan) for h in history]
             ax.plot(epochs, values, style, label=key)
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, axes, path, title, "epoch")
 
 
 # ----------------------------------------------------------------------------- main
@@ -294,9 +276,7 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
-    def log(msg):
-        if rank == 0 or args.verbose:
-            print(f"[rank {rank}] {msg}" if args.verbose else msg, flush=True)
+    log = rank_logger(rank, args.verbose)
 
     # Data: every rank reads (or generates) the same corpus and keeps its shard.
     if args.synthetic:

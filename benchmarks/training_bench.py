@@ -5,6 +5,10 @@ process and step, Adam, ``model.fit`` with jit_compile=False, float32 or
 mixed_float16. Each measurement is its own launch:
 
   single   1 process, plain Keras, no tf_mpi at all: the baseline.
+  pair     2 `single` processes at the same time, not communicating: the
+           ceiling. Their summed throughput is what 2 processes reach on this
+           machine when communication costs nothing (they share memory
+           bandwidth, caches and, on 2 cores, the OS's time with each other).
   tfmpi    ``python -m tf_mpi.run -np 2`` (the driver calls tf_mpi/run.py's
            mpirun_command directly), hvd.DistributedOptimizer and
            BroadcastGlobalVariablesCallback(0), with gradient grouping
@@ -15,7 +19,10 @@ mixed_float16. Each measurement is its own launch:
   mwms     tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes on
            localhost (TF_CONFIG, free ports), RING collectives, global batch 128.
 
-Every process runs 1 intra-op thread (inter-op left at the default). Timing:
+Every process runs 1 intra-op thread and 1 inter-op thread (--inter-op-threads):
+with TensorFlow's default inter-op pool a single process runs independent ops
+on both cores of a 2-core machine (the LSTM step takes 150 ms instead of
+248 ms), so it would not be a one-worker baseline. Timing:
 --warmup untimed steps (tracing, broadcast, collective set-up), then
 --repeats windows of --steps steps inside the same ``fit`` call, timed with
 on_train_batch_end timestamps. Reported: median samples/s over the windows
@@ -79,7 +86,7 @@ BATCH_PER_PROCESS = 64
 DISTRIBUTED_PROCESSES = 2
 LEARNING_RATE = 1e-3
 PRECISIONS = ["float32", "mixed_float16"]
-MODES = ["single", "tfmpi", "mwms"]
+MODES = ["single", "pair", "tfmpi", "mwms"]
 GROUPING_NAMES = ["graph", "one", "per-tensor"]
 MODEL_NAMES = ["lstm", "mlp", "cnn"]  # = bench_models.MODELS; kept here so the driver need not import TF
 RESULT_PREFIX = "RESULT "
@@ -89,10 +96,11 @@ RESULT_PREFIX = "RESULT "
 # Everything below up to the driver role runs inside the launched processes.
 # TensorFlow is imported only here, after the thread count is fixed.
 
-def init_tensorflow_one_thread():
-    """Imports TensorFlow with 1 intra-op thread (before any op creates the runtime) and returns it."""
+def init_tensorflow_one_thread(inter_op_threads):
+    """Imports TensorFlow with 1 intra-op thread and `inter_op_threads` (before any op creates the runtime)."""
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
     return tf
 
 
@@ -258,7 +266,7 @@ def setup_mwms(args, spec, tf, keras):
                  extra={"communication": "RING", "keras_workaround": not args.no_mwms_workaround})
 
 
-MODE_SETUPS = {"single": setup_single, "tfmpi": setup_tfmpi, "mwms": setup_mwms}
+MODE_SETUPS = {"single": setup_single, "pair": setup_single, "tfmpi": setup_tfmpi, "mwms": setup_mwms}
 
 
 def summarize_windows(seconds, samples_per_window):
@@ -271,7 +279,7 @@ def summarize_windows(seconds, samples_per_window):
 def run_worker(args):
     """Worker role: trains one configuration and prints RESULT {json} on the reporting process."""
     began = time.time()
-    tf = init_tensorflow_one_thread()
+    tf = init_tensorflow_one_thread(args.inter_op_threads)
     import keras
     import bench_models
     keras.mixed_precision.set_global_policy(args.precision)
@@ -293,6 +301,7 @@ def run_worker(args):
               **summarize_windows(seconds, steps * global_batch),
               "step_ms": 1000 * statistics.median(seconds) / steps,
               "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+              "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
               "tensorflow": tf.__version__, "keras": keras.__version__,
               **setup.extra, **(setup.after_fit() if setup.after_fit else {}),
               "worker_seconds": round(time.time() - began, 1)}
@@ -336,7 +345,8 @@ def selected_variants(modes, groupings):
 def worker_args(variant, model, precision, args):
     """Command-line arguments of this script's worker role for one launch."""
     argv = [os.path.abspath(__file__), "--mode", variant.mode, "--model", model, "--precision", precision,
-            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--seed", str(args.seed)]
+            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--seed", str(args.seed),
+            "--inter-op-threads", str(args.inter_op_threads)]
     if args.steps:
         argv += ["--steps", str(args.steps)]
     if variant.grouping:
@@ -392,6 +402,8 @@ def launch_commands(variant, model, precision, args):
     env = base_env()
     if variant.mode == "single":
         return [([sys.executable] + script, env)], None
+    if variant.mode == "pair":
+        return [([sys.executable] + script, env)] * DISTRIBUTED_PROCESSES, None
     if variant.mode == "tfmpi":
         env.update(GROUPING_ENV[variant.grouping])
         trace = None
@@ -453,12 +465,23 @@ def run_processes(commands, timeout):
     return codes, "\n".join(outputs)
 
 
-def parse_result(output):
-    """The JSON of the first RESULT line in a launch's output, or None."""
-    for line in output.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    return None
+def parse_result(output, expected=1):
+    """The JSON of the RESULT line in a launch's output, or None.
+
+    A `pair` launch has one RESULT per process (``expected``); they are
+    combined into one: throughputs add up, step times are averaged.
+    """
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in output.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    if len(results) != expected:
+        return None
+    if expected == 1:
+        return results[0]
+    combined = dict(results[0], processes=len(results), global_batch=BATCH_PER_PROCESS * len(results))
+    for key in ("samples_per_sec", "samples_per_sec_min", "samples_per_sec_max"):
+        combined[key] = sum(r[key] for r in results)
+    combined["step_ms"] = statistics.mean(r["step_ms"] for r in results)
+    return combined
 
 
 def error_summary(output):
@@ -499,7 +522,7 @@ def run_launch(variant, model, precision, args):
     commands, trace = launch_commands(variant, model, precision, args)
     began = time.time()
     codes, output = run_processes(commands, args.launch_timeout)
-    result = parse_result(output)
+    result = parse_result(output, expected=len(commands) if variant.mode == "pair" else 1)
     entry = {"model": model, "precision": precision, "mode": variant.mode, "grouping": variant.grouping,
              "label": variant.label, "launch_seconds": round(time.time() - began, 1), "exit_codes": codes}
     if result is None or any(codes):
@@ -653,6 +676,8 @@ def parse_args():
     timing.add_argument("--steps", type=int, default=None,
                         help="timed steps per repeat (default: per model, see bench_models.MODELS)")
     timing.add_argument("--repeats", type=int, default=8, help="timed windows; median and min/max over them")
+    timing.add_argument("--inter-op-threads", type=int, default=1,
+                        help="TensorFlow inter-op threads per process (0: TensorFlow's default)")
     timing.add_argument("--quick", action="store_true", help="driver smoke test: 3-step windows, 1 repeat")
     timing.add_argument("--launch-timeout", type=float, default=900, help="seconds before a launch is stopped")
     out = p.add_argument_group("output")

@@ -12,6 +12,8 @@ namespace tfmpi {
 class Collectives {
  public:
   Collectives(const MpiContext* mpi, int64_t chunk_bytes) : mpi_(mpi), chunk_bytes_(chunk_bytes) {}
+  // Must change at the same point of the decision stream on every rank (see tunables.h).
+  void set_chunk_bytes(int64_t chunk_bytes) { chunk_bytes_ = chunk_bytes; }
 
   // out = reduce(in) over ranks; in == nullptr or in == out reduces in place.
   void Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) const;

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <list>
 
+#include "autotune.h"
 #include "coordinator.h"
 #include "executor.h"
 #include "logging.h"
@@ -75,6 +76,7 @@ Status Engine::Init(const InitOptions& opts) {
   if (initialized_) return Status::OK();
   try {
     config_ = EngineConfig::FromEnv();
+    tunables_ = config_.tunables;
   } catch (const std::exception& e) {
     return Status::Invalid(e.what());
   }
@@ -187,6 +189,24 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
   return Status::OK();
 }
 
+void Engine::Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono::steady_clock::time_point now,
+                      std::vector<Decision>* decisions) {
+  std::optional<Tunables> change;
+  for (const Decision& d : *decisions) {
+    const std::string* name = d.kind == Decision::Kind::kExecute         ? &d.response.meta.name
+                              : d.kind == Decision::Kind::kExecuteCached ? &cache.Get(d.cache_id).meta.name
+                                                                         : nullptr;
+    if (name)
+      if (auto t = tuner->Observe(*name, now)) change = t;
+  }
+  if (!change) return;
+  Decision settings;
+  settings.kind = Decision::Kind::kSettings;
+  settings.tunables = *change;
+  decisions->push_back(settings);
+  if (tuner->finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE=1), median step time per setting:" + tuner->Report());
+}
+
 void Engine::Loop() {
   const int rank = mpi_.rank();
   const int size = mpi_.size();
@@ -195,6 +215,8 @@ void Engine::Loop() {
   std::unique_ptr<Coordinator> coord;
   if (rank == 0) coord = std::make_unique<Coordinator>(size, &cache, config_.stall_check_s, config_.stall_shutdown_s, &timeline_);
   Executor executor(&mpi_, config_, &stats_, &timeline_);
+  std::unique_ptr<Autotuner> tuner;
+  if (rank == 0 && config_.autotune) tuner = std::make_unique<Autotuner>(config_.tunables, config_.autotune_steps);
   InFlight in_flight;
   Outbox outbox;
   bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving
@@ -212,6 +234,11 @@ void Engine::Loop() {
       if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank) done = true;
     }
     if (!executor.Run(decisions, &in_flight, &cache)) Abort(1);
+    for (const Decision& d : decisions) {
+      if (d.kind != Decision::Kind::kSettings) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      tunables_ = d.tunables;
+    }
     if (coordinator_gone) {
       FailAll(&in_flight, "tf_mpi: rank 0 called shutdown(); no more collectives can run");
       if (stop_announced) done = true;
@@ -287,6 +314,7 @@ void Engine::Loop() {
         last_stall_check = now;
       }
       std::vector<Decision> decisions = coord->TakeDecisions();
+      if (tuner && !tuner->finished()) Autotune(tuner.get(), cache, now, &decisions);
       if (stop_announced) decisions.push_back({Decision::Kind::kCoordinatorGone, 0, {}, -1});
       if (!decisions.empty()) {
         progressed = true;

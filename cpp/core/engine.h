@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "env.h"
+#include "autotune.h"
 #include "executor.h"
 #include "mpi_context.h"
 #include "request.h"
@@ -40,6 +41,11 @@ class Engine {
   bool initialized() const { return initialized_.load(); }
   const MpiContext& mpi() const { return mpi_; }
   const EngineConfig& config() const { return config_; }
+  // The settings in use now: config().tunables until the autotuner changes them.
+  Tunables tunables() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tunables_;
+  }
 
   // Queues `r`. On an immediate error (bad arguments, not initialised) returns
   // it and does not call r->done; otherwise r->done is called exactly once.
@@ -54,6 +60,9 @@ class Engine {
  private:
   Engine() = default;
   void Loop();
+  // Rank 0: shows the tuner this batch's collectives and appends its new settings, if any.
+  void Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono::steady_clock::time_point now,
+                std::vector<Decision>* decisions);
   Status Validate(const Request& r) const;
 
   MpiContext mpi_;
@@ -67,6 +76,7 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Request>> queue_;
   bool stop_requested_ = false;
+  Tunables tunables_;  // a copy for callers; the executor's own copy is the one that acts
 };
 
 }  // namespace tfmpi

@@ -1,5 +1,6 @@
 #include "env.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
@@ -28,23 +29,26 @@ EngineConfig EngineConfig::FromEnv() {
   EngineConfig c;
   // Defaults come from benchmarks/allreduce_bench.py on a 2-core machine
   // (see docs/performance.md): 64 MiB fused buffers, cut into 1 MiB MPI calls
-  // because cache-sized messages pipeline better than one huge call.
-  c.fusion_threshold_bytes = EnvInt("TF_MPI_FUSION_THRESHOLD", 64ll << 20);
-  c.chunk_bytes = EnvInt("TF_MPI_CHUNK_BYTES", 1ll << 20);
+  // because cache-sized messages pipeline better than one huge call; tensors
+  // of 256 KiB and more are not copied into the buffer at all.
+  const Tunables defaults;
+  c.tunables.fusion_threshold = std::max<int64_t>(0, EnvInt("TF_MPI_FUSION_THRESHOLD", defaults.fusion_threshold));
+  c.tunables.direct_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_FUSION_DIRECT_BYTES", defaults.direct_bytes));
+  c.tunables.chunk_bytes = EnvInt("TF_MPI_CHUNK_BYTES", defaults.chunk_bytes);
+  if (c.tunables.chunk_bytes <= 0) c.tunables.chunk_bytes = defaults.chunk_bytes;
+  c.autotune = EnvInt("TF_MPI_AUTOTUNE", 0) != 0;
+  c.autotune_steps = std::max<int64_t>(1, EnvInt("TF_MPI_AUTOTUNE_STEPS", 5));
   c.cache_capacity = EnvInt("TF_MPI_CACHE_CAPACITY", 4096);
   c.stall_check_s = EnvDouble("TF_MPI_STALL_CHECK_TIME_SECONDS", 60.0);
   c.stall_shutdown_s = EnvDouble("TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", 0.0);
   c.spin_us = EnvInt("TF_MPI_SPIN_US", 250);
   c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
-  if (c.chunk_bytes <= 0) c.chunk_bytes = 1ll << 20;
-  if (c.fusion_threshold_bytes < 0) c.fusion_threshold_bytes = 0;
   return c;
 }
 
 std::string EngineConfig::ToString() const {
   std::ostringstream os;
-  os << "fusion_threshold=" << fusion_threshold_bytes << " chunk_bytes=" << chunk_bytes
-     << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
+  os << tunables.ToString() << " autotune=" << autotune << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us;
   return os.str();
 }

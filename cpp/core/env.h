@@ -4,14 +4,17 @@
 #include <cstdint>
 #include <string>
 
+#include "tunables.h"
+
 namespace tfmpi {
 
 int64_t EnvInt(const char* name, int64_t fallback);
 double EnvDouble(const char* name, double fallback);
 
 struct EngineConfig {
-  int64_t fusion_threshold_bytes;  // TF_MPI_FUSION_THRESHOLD; 0 disables fusion
-  int64_t chunk_bytes;             // TF_MPI_CHUNK_BYTES: largest single MPI call
+  Tunables tunables;               // the starting values (see tunables.h)
+  bool autotune;                   // TF_MPI_AUTOTUNE=1: rank 0 tunes `tunables` during the first steps
+  int64_t autotune_steps;          // TF_MPI_AUTOTUNE_STEPS: timed steps per candidate
   int64_t cache_capacity;          // TF_MPI_CACHE_CAPACITY; 0 disables the response cache
   double stall_check_s;            // TF_MPI_STALL_CHECK_TIME_SECONDS; 0 disables warnings
   double stall_shutdown_s;         // TF_MPI_STALL_SHUTDOWN_TIME_SECONDS; 0 = wait forever

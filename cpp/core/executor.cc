@@ -64,6 +64,9 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
     } else if (d.kind == Decision::Kind::kExecute) {
       cache->Put(d.response);
       responses.push_back(d.response);
+    } else if (d.kind == Decision::Kind::kSettings) {
+      tunables_ = d.tunables;
+      collectives_.set_chunk_bytes(tunables_.chunk_bytes);
     }
   }
 
@@ -125,7 +128,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       items.push_back({m.tensors[t].dtype, m.op, count * static_cast<int64_t>(DataTypeSize(m.tensors[t].dtype))});
     }
   }
-  for (const FusionBucket& b : PlanFusion(items, fusion_threshold_)) {
+  for (const FusionBucket& b : PlanFusion(items, tunables_.fusion_threshold, tunables_.direct_bytes)) {
     ++stats_->allreduce_buckets;
     const Slot& first = slots[b.items[0]];
     std::vector<const Request*> members;

@@ -29,13 +29,14 @@ struct ExecutorStats {
 class Executor {
  public:
   Executor(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats, Timeline* timeline)
-      : mpi_(mpi), collectives_(mpi, config.chunk_bytes), fusion_threshold_(config.fusion_threshold_bytes),
+      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes), tunables_(config.tunables),
         stats_(stats), timeline_(timeline) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
   // not have (a protocol error: the caller must abort rather than hang).
   bool Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache);
+  const Tunables& tunables() const { return tunables_; }
 
 
  private:
@@ -53,7 +54,7 @@ class Executor {
 
   const MpiContext* mpi_;
   Collectives collectives_;
-  int64_t fusion_threshold_;
+  Tunables tunables_;  // changed only by kSettings decisions, so identical on all ranks
   std::vector<char> fusion_buffer_;  // reused across steps; grows to the threshold
   ExecutorStats* stats_;
   Timeline* timeline_;

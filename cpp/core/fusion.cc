@@ -5,13 +5,13 @@
 
 namespace tfmpi {
 
-std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold) {
+std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold, int64_t direct_bytes) {
   std::vector<FusionBucket> out;
   // Open bucket per (dtype, op); buckets are emitted in order of their first item.
   std::map<std::pair<DataType, ReduceOp>, size_t> open;
   for (size_t i = 0; i < items.size(); ++i) {
     const FusionItem& it = items[i];
-    if (threshold <= 0 || it.bytes >= threshold) {
+    if (threshold <= 0 || it.bytes >= threshold || (direct_bytes > 0 && it.bytes >= direct_bytes)) {
       FusionBucket b;
       b.items = {i};
       b.direct = true;

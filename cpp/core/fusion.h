@@ -1,9 +1,11 @@
 // Tensor fusion: which allreduce tensors share one MPI call.
 //
 // Ready tensors with the same dtype and MPI op are packed, in decision order,
-// into buffers of at most `threshold` bytes. A tensor that alone reaches the
-// threshold is reduced in place from its own buffers (no copy). The plan is a
-// pure function of the decisions, so every rank computes the same one.
+// into buffers of at most `threshold` bytes. A tensor of `direct_bytes` or more
+// (or one that alone reaches the threshold) is reduced from its own buffers:
+// fusing it would save one MPI call's latency (tens of microseconds) but cost
+// two copies of its bytes, which for large tensors costs more. The plan is a
+// pure function of the decisions and settings, so every rank computes the same one.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +27,6 @@ struct FusionBucket {
   int64_t bytes = 0;
 };
 
-std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold);
+std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold, int64_t direct_bytes);
 
 }  // namespace tfmpi

@@ -17,6 +17,7 @@ void Emit(const char* level, const std::string& msg) {
 }  // namespace
 
 void SetLogRank(int rank) { g_rank = rank; }
+void LogInfo(const std::string& msg) { Emit("INFO", msg); }
 void LogWarning(const std::string& msg) { Emit("WARNING", msg); }
 void LogError(const std::string& msg) { Emit("ERROR", msg); }
 

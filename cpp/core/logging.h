@@ -7,6 +7,7 @@
 namespace tfmpi {
 
 void SetLogRank(int rank);
+void LogInfo(const std::string& msg);
 void LogWarning(const std::string& msg);
 void LogError(const std::string& msg);
 

@@ -111,6 +111,11 @@ std::vector<char> Encode(const std::vector<Decision>& items) {
       case Decision::Kind::kError: w.Str(d.response.meta.name); w.Str(d.response.error); break;
       case Decision::Kind::kShutdownAck: w.Pod(d.rank); break;
       case Decision::Kind::kCoordinatorGone: break;
+      case Decision::Kind::kSettings:
+        w.Pod(d.tunables.fusion_threshold);
+        w.Pod(d.tunables.direct_bytes);
+        w.Pod(d.tunables.chunk_bytes);
+        break;
     }
   }
   return std::move(w.buf);
@@ -139,6 +144,11 @@ void Decode(const std::vector<char>& bytes, std::vector<Decision>* out) {
         break;
       case Decision::Kind::kShutdownAck: d.rank = r.Pod<int32_t>(); break;
       case Decision::Kind::kCoordinatorGone: break;
+      case Decision::Kind::kSettings:
+        d.tunables.fusion_threshold = r.Pod<int64_t>();
+        d.tunables.direct_bytes = r.Pod<int64_t>();
+        d.tunables.chunk_bytes = r.Pod<int64_t>();
+        break;
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "request.h"
+#include "tunables.h"
 
 namespace tfmpi {
 
@@ -21,11 +22,13 @@ struct Announcement {
 };
 
 struct Decision {
-  enum class Kind : uint8_t { kExecuteCached = 0, kExecute = 1, kError = 2, kShutdownAck = 3, kCoordinatorGone = 4 };
+  enum class Kind : uint8_t {
+    kExecuteCached = 0, kExecute = 1, kError = 2, kShutdownAck = 3, kCoordinatorGone = 4, kSettings = 5 };
   Kind kind = Kind::kExecute;
   uint32_t cache_id = 0;  // kExecuteCached
   Response response;      // kExecute / kError
   int32_t rank = -1;      // kShutdownAck: whose shutdown
+  Tunables tunables;      // kSettings: apply from here on
 };
 
 std::vector<char> Encode(const std::vector<Announcement>& items);

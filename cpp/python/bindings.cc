@@ -134,7 +134,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("cross_rank", [] { return Ctx().cross_rank(); });
   m.def("cross_size", [] { return Ctx().cross_size(); });
   m.def("mpi_threads_supported", [] { Ctx(); return MpiContext::ThreadMultiple(); });
-  m.def("config", [] { return E().config().ToString(); });
+  m.def("config", [] {
+    EngineConfig c = E().config();
+    c.tunables = E().tunables();  // as the autotuner left them
+    return c.ToString();
+  });
   m.def("start_timeline", [](const std::string& path) { Raise(E().StartTimeline(path)); });
   m.def("stop_timeline", [] { E().StopTimeline(); });
   m.def("stats", [] {

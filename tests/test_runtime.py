@@ -43,6 +43,15 @@ def test_stall_is_reported_by_name_and_then_fails():
     assert "'only.rank0.submits.this' (allreduce): ready on rank 0, waiting on rank 1" in run.output, run.describe()
 
 
+def test_autotune_switches_settings_on_every_rank_at_once():
+    run = launch("autotune", env={"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1"})
+    clean(run)
+    assert_check(run, 2, "check_autotune_changes_settings_identically_and_results_stay_exact")
+    # Rank 0 logs every candidate's step time and its choice.
+    assert "[tf_mpi rank 0] INFO: autotune finished" in run.output, run.describe()
+    assert run.output.count(": median step ") >= 12 and "chosen: fusion_threshold=" in run.output, run.describe()
+
+
 def test_uncaught_exception_aborts_the_job():
     run = launch("abort", timeout=120)
     assert not run.timed_out, run.describe()

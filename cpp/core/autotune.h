@@ -37,7 +37,7 @@ class Autotuner {
 
  private:
   static constexpr int kStages = 3;
-  static constexpr int64_t kWarmupSteps = 2;  // tracing, first broadcasts: not representative
+  static constexpr int64_t kWarmupSteps = 5;  // tracing, first broadcasts: not representative
   // The next candidate of the current stage (or of the next stage); nullopt when done.
   std::optional<Tunables> NextCandidate();
   void StartStage();

@@ -37,7 +37,7 @@ EngineConfig EngineConfig::FromEnv() {
   c.tunables.chunk_bytes = EnvInt("TF_MPI_CHUNK_BYTES", defaults.chunk_bytes);
   if (c.tunables.chunk_bytes <= 0) c.tunables.chunk_bytes = defaults.chunk_bytes;
   c.autotune = EnvInt("TF_MPI_AUTOTUNE", 0) != 0;
-  c.autotune_steps = std::max<int64_t>(1, EnvInt("TF_MPI_AUTOTUNE_STEPS", 5));
+  c.autotune_steps = std::max<int64_t>(1, EnvInt("TF_MPI_AUTOTUNE_STEPS", 10));
   c.cache_capacity = EnvInt("TF_MPI_CACHE_CAPACITY", 4096);
   c.stall_check_s = EnvDouble("TF_MPI_STALL_CHECK_TIME_SECONDS", 60.0);
   c.stall_shutdown_s = EnvDouble("TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", 0.0);

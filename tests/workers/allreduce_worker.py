@@ -131,6 +131,20 @@ def check_grouped_allreduce_mixed_dtypes_fused():
             assert_close(y.numpy(), reference(op, s, seed=i), d, f"group member {i} {d.name} {OPS[op]}")
 
 
+def check_large_group_members_skip_the_fusion_buffer():
+    # np=2 runs the defaults (fusion on, tensors >= 256 KiB reduced from their
+    # own buffers); np=3 runs with fusion off. Bucket counts show the plan.
+    shapes = [(256, 1024), (3,), (4, 5), (70000,)]  # 1 MiB, two small, 273 KiB
+    xs = [tf.constant(values(R, s, seed=i), tf.float32) for i, s in enumerate(shapes)]
+    before = _core.stats()["allreduce_buckets"]
+    outs = hvd.grouped_allreduce(xs, op=hvd.Sum, name="direct.mix")
+    buckets = _core.stats()["allreduce_buckets"] - before
+    for i, (y, s) in enumerate(zip(outs, shapes)):
+        assert_close(y.numpy(), reference(hvd.Sum, s, seed=i), tf.float32, f"member {i}")
+    fusion_on = os.environ.get("TF_MPI_FUSION_THRESHOLD") != "0"
+    assert buckets == (3 if fusion_on else 4), buckets  # 2 direct + 1 fused pair, or one each
+
+
 def check_grouped_allreduce_in_tf_function():
     xs = [tf.constant(values(R, (5,), seed=i), dtype=tf.float32) for i in range(10)]
     step = tf.function(lambda ts: hvd.grouped_allreduce(ts, op=hvd.Sum))

@@ -99,6 +99,36 @@ elif SCENARIO == "stall":
             time.sleep(6)
         sum_of_ranks("after.stall")
 
+elif SCENARIO == "autotune":
+    # Run with TF_MPI_AUTOTUNE=1 TF_MPI_AUTOTUNE_STEPS=1: the tuner switches
+    # settings every couple of steps while collectives keep flowing.
+    import numpy as np
+    from tf_mpi import _core
+    from tf_mpi.functions import allgather_object
+
+    def check_autotune_changes_settings_identically_and_results_stay_exact():
+        # A "step": a gradient-like group (a big tensor that may skip the fusion
+        # buffer, small ones that are fused) and one lone tensor, every value checked.
+        shapes = [(300, 300), (7,), (5, 3), (1000,)]
+        n = hvd.size()
+        start = _core.config()
+        seen = {start}
+        for step in range(80):
+            xs = [tf.fill(s, float(hvd.rank() + 1 + step)) for s in shapes[:3]]
+            ys = hvd.grouped_allreduce(xs, op=hvd.Sum, name="tune.group")
+            z = hvd.allreduce(tf.fill(shapes[3], float(hvd.rank())), op=hvd.Average, name="tune.lone")
+            want = sum(r + 1 + step for r in range(n))
+            for y, s in zip(ys, shapes):
+                assert y.shape == s and np.all(y.numpy() == want), (step, s)
+            assert np.all(z.numpy() == sum(range(n)) / n), step
+            seen.add(_core.config())
+        # Rank 0 chose the settings and every rank applied the same ones.
+        final = allgather_object(_core.config())
+        assert len(set(final)) == 1, final
+        assert len(seen) > 1, "the tuner never changed a setting"
+        if hvd.rank() == 0:
+            print("autotune settings:", final[0], flush=True)
+
 
 if __name__ == "__main__":
     if SCENARIO == "abort":

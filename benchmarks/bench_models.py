@@ -72,6 +72,17 @@ def build_mlp():
     return keras.Model(inputs, outputs, name="mlp")
 
 
+def build_tiny():
+    """32-16-10 MLP (about 700 parameters): a step is almost all framework, for per-step overhead."""
+    inputs = keras.Input((TINY_INPUT,))
+    x = keras.layers.Dense(16, activation="relu")(inputs)
+    outputs = keras.layers.Dense(MLP_CLASSES, activation="softmax", dtype="float32")(x)
+    return keras.Model(inputs, outputs, name="tiny")
+
+
+TINY_INPUT = 32
+
+
 def classification_inputs(shape, classes):
     """A make_inputs function for uniform random features of `shape` and integer labels."""
     def make(rng, n):
@@ -129,6 +140,9 @@ MODELS = {spec.name: spec for spec in [
     ModelSpec("cnn", build_cnn, "sparse_categorical_crossentropy",
               classification_inputs(CNN_INPUT, CNN_CLASSES), timed_steps=12,
               description="ResNet-style CNN, 32x32x3, blocks of 16/32/64 channels"),
+    ModelSpec("tiny", build_tiny, "sparse_categorical_crossentropy",
+              classification_inputs((TINY_INPUT,), MLP_CLASSES), timed_steps=200,
+              description="32-16-10 MLP: per-step framework overhead"),
 ]}
 
 # Distinct synthetic batches per process; the dataset cycles through them, so

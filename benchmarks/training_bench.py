@@ -88,7 +88,7 @@ LEARNING_RATE = 1e-3
 PRECISIONS = ["float32", "mixed_float16"]
 MODES = ["single", "pair", "tfmpi", "mwms"]
 GROUPING_NAMES = ["graph", "one", "per-tensor"]
-MODEL_NAMES = ["lstm", "mlp", "cnn"]  # = bench_models.MODELS; kept here so the driver need not import TF
+MODEL_NAMES = ["lstm", "mlp", "cnn", "tiny"]  # = bench_models.MODELS; kept here so the driver need not import TF
 RESULT_PREFIX = "RESULT "
 
 
@@ -664,7 +664,8 @@ def parse_args():
     role.add_argument("--mode", choices=MODES, help="worker role: train one configuration (what a launch runs)")
     sel = p.add_argument_group("what to run")
     sel.add_argument("--model", choices=MODEL_NAMES, default="mlp", help="worker: the model")
-    sel.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=MODEL_NAMES, help="driver: the models")
+    sel.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=MODEL_NAMES[:3],
+                     help="driver: the models (tiny: per-step overhead, only when named)")
     sel.add_argument("--modes", nargs="+", choices=MODES, default=MODES, help="driver: the modes")
     sel.add_argument("--grouping", choices=GROUPING_NAMES, default="graph", help="worker, tfmpi: gradient grouping")
     sel.add_argument("--groupings", nargs="+", choices=GROUPING_NAMES, default=GROUPING_NAMES,

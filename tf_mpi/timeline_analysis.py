@@ -46,6 +46,11 @@ def _length(intervals):
     return sum(e - s for s, e in intervals)
 
 
+def union_length(intervals):
+    """Wall time covered by (start, end) intervals, overlaps counted once."""
+    return _length(_union(intervals))
+
+
 def _occurrences(events):
     """{name: [ {"ready": t, "first": t, "work": [(s, e), ...]}, ... ]} in time order, per track name."""
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}

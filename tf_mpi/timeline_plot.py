@@ -11,6 +11,8 @@ overlapping negotiations are merged, so the bars show wall time per phase.
 import json
 import sys
 
+from tf_mpi.timeline_analysis import union_length
+
 PHASES = {
     "NEGOTIATE": "negotiate",
     "QUEUE": "queue",
@@ -18,15 +20,6 @@ PHASES = {
     "MEMCPY_OUT_FUSION_BUFFER": "copy",
 }
 COLORS = {"negotiate": "#8da0cb", "queue": "#e5c494", "copy": "#fc8d62", "mpi": "#66c2a5"}
-
-
-def _union_length(intervals):
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
 
 
 def summarize(trace):
@@ -47,7 +40,7 @@ def summarize(trace):
                 phase = PHASES.get(e["name"], "mpi" if e["name"].startswith("MPI_") else None)
                 if phase:
                     phases[phase].add((e["ts"], e["ts"] + e["dur"]))
-        steps.append({k: _union_length(v) / 1000.0 for k, v in phases.items()})
+        steps.append({k: union_length(v) / 1000.0 for k, v in phases.items()})
     steps[0]["tracks"] = len(tracks)
     return steps
 

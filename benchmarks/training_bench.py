@@ -25,16 +25,21 @@ on both cores of a 2-core machine (the LSTM step takes 150 ms instead of
 248 ms), so it would not be a one-worker baseline. Timing:
 --warmup untimed steps (tracing, broadcast, collective set-up), then
 --repeats windows of --steps steps inside the same ``fit`` call, timed with
-on_train_batch_end timestamps. Reported: median samples/s over the windows
-(all processes together) and [min-max]. Scaling efficiency = samples/s at 2
-processes / (2 x samples/s of `single`), for each tfmpi grouping and mwms.
+on_train_batch_end timestamps; a launch's figure is the median samples/s over
+its windows (all processes together). The driver runs every launch --rounds
+times (default 3), round by round, each round starting with a different
+variant, and reports per variant the median over rounds and [lowest-highest
+round]: launch-to-launch variation on a shared 2-core VM is larger than the
+variation inside one launch. Scaling efficiency = samples/s at 2 processes /
+(2 x samples/s of `single` in the same round); "of pair" = samples/s /
+samples/s of `pair` in the same round (the share of the ceiling).
 
 Run from the repository root (the driver spawns every launch itself)::
 
-    # Everything, float32 (3 models x 5 launches, about 10 minutes on 2 cores):
+    # Everything, float32 (3 rounds x 3 models x 6 launches, about 30 minutes on 2 cores):
     python benchmarks/training_bench.py --driver --json train.json --plot train.png
 
-    # Smoke test (tiny windows, 1 repeat, about 3 minutes):
+    # Smoke test (tiny windows, 1 repeat, 1 round, about 3 minutes):
     python benchmarks/training_bench.py --driver --quick
 
     # mixed_float16 (or --precision both), a subset of models and modes:
@@ -537,42 +542,101 @@ def run_launch(variant, model, precision, args):
 
 
 def add_efficiencies(results):
-    """efficiency = samples/s at N processes / (N x samples/s of `single`), per model and precision."""
-    baseline = {(e["model"], e["precision"]): e["samples_per_sec"]
-                for e in results if e["mode"] == "single" and e["status"] == "ok"}
+    """Per launch, against the same round's launches of the same model and precision:
+    efficiency = samples/s at N processes / (N x samples/s of `single`), and
+    of_pair = samples/s / samples/s of `pair` (the share of the no-communication ceiling)."""
+    def rates(mode):
+        return {(e.get("round", 0), e["model"], e["precision"]): e["samples_per_sec"]
+                for e in results if e["mode"] == mode and e["status"] == "ok"}
+    single, pair = rates("single"), rates("pair")
     for e in results:
-        base = baseline.get((e["model"], e["precision"]))
-        if e["mode"] != "single" and e["status"] == "ok" and base:
-            e["efficiency"] = e["samples_per_sec"] / (e["processes"] * base)
+        key = (e.get("round", 0), e["model"], e["precision"])
+        if e["status"] != "ok" or e["mode"] == "single":
+            continue
+        if key in single:
+            e["efficiency"] = e["samples_per_sec"] / (e["processes"] * single[key])
+        if key in pair and e["mode"] != "pair":
+            e["of_pair"] = e["samples_per_sec"] / pair[key]
+
+
+def spread(values):
+    """{median, min, max} of a non-empty list."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize_rounds(results):
+    """One entry per (precision, model, variant): medians over the rounds and their spread.
+
+    With one round, the min/max of samples/s are those of the timed windows
+    inside the launch; with several rounds they are the lowest and highest
+    round medians (launch-to-launch spread, the larger and more honest one).
+    """
+    keys = []
+    for e in results:
+        key = (e["precision"], e["model"], e["label"])
+        if key not in keys:
+            keys.append(key)
+    summary = []
+    for key in keys:
+        runs = [e for e in results if (e["precision"], e["model"], e["label"]) == key]
+        ok = [e for e in runs if e["status"] == "ok"]
+        if not ok:
+            summary.append(dict(runs[-1], rounds=len(runs), rounds_ok=0))
+            continue
+        entry = dict(ok[-1], rounds=len(runs), rounds_ok=len(ok))
+        rates = spread([e["samples_per_sec"] for e in ok])
+        entry["samples_per_sec"] = rates["median"]
+        if len(ok) > 1:
+            entry["samples_per_sec_min"], entry["samples_per_sec_max"] = rates["min"], rates["max"]
+        entry["step_ms"] = statistics.median(e["step_ms"] for e in ok)
+        for metric in ("efficiency", "of_pair"):
+            values = [e[metric] for e in ok if metric in e]
+            if values:
+                entry[metric] = statistics.median(values)
+                entry[metric + "_spread"] = spread(values)
+        tails = [e["timeline_analysis"] for e in ok if "tail_ms" in e.get("timeline_analysis", {})]
+        if tails:
+            entry["timeline_analysis"] = {k: statistics.median(t[k] for t in tails)
+                                          for k in ("step_ms", "comm_ms", "overlap_share", "tail_ms", "tail_share")
+                                          if all(k in t for t in tails)}
+        summary.append(entry)
+    return summary
 
 
 def progress_line(k, total, entry):
     """One line per finished launch, so a long driver run shows where it is."""
-    what = f"[{k}/{total}] {entry['model']} {entry['precision']} {entry['label']}"
+    what = f"[{k}/{total}] round {entry.get('round', 0) + 1}: {entry['model']} {entry['precision']} {entry['label']}"
     if entry["status"] != "ok":
         return f"{what}: UNAVAILABLE ({entry['error']}) [{entry['launch_seconds']:.0f} s]"
     return f"{what}: {entry['samples_per_sec']:.1f} samples/s [{entry['launch_seconds']:.0f} s]"
 
 
-def format_table(results):
-    """The results as a fixed-width text table."""
+def format_table(summary):
+    """The summary (see summarize_rounds) as a fixed-width text table."""
     header = (f"{'model':<6}{'precision':<15}{'mode':<18}{'samples/s median [min-max]':>30}"
-              f"{'step ms':>9}{'efficiency':>12}  notes")
+              f"{'step ms':>9}{'efficiency [min-max]':>24}{'of pair':>9}  notes")
     lines = [header, "-" * len(header)]
-    for e in results:
+    for e in summary:
         if e["status"] != "ok":
-            lines.append(f"{e['model']:<6}{e['precision']:<15}{e['label']:<18}{'unavailable':>30}{'':>9}{'':>12}"
-                         f"  {e['error'][:100]}")
+            lines.append(f"{e['model']:<6}{e['precision']:<15}{e['label']:<18}{'unavailable':>30}{'':>9}{'':>24}"
+                         f"{'':>9}  {e['error'][:100]}")
             continue
         rate = f"{e['samples_per_sec']:.1f} [{e['samples_per_sec_min']:.1f}-{e['samples_per_sec_max']:.1f}]"
-        efficiency = f"{e['efficiency']:.1%}" if "efficiency" in e else "-"
+        efficiency = "-"
+        if "efficiency" in e:
+            s = e["efficiency_spread"]
+            efficiency = f"{e['efficiency']:.1%} [{s['min']:.0%}-{s['max']:.0%}]"
+        of_pair = f"{e['of_pair']:.0%}" if "of_pair" in e else "-"
+        notes = [] if e["rounds_ok"] == e["rounds"] else [f"{e['rounds_ok']}/{e['rounds']} rounds ok"]
         groups = e.get("groups")
-        notes = "" if groups is None else f"{groups} group{'' if groups == 1 else 's'}"
+        if groups is not None:
+            notes.append(f"{groups} group{'' if groups == 1 else 's'}")
         analysis = e.get("timeline_analysis") or {}
         if "overlap_share" in analysis:
-            notes += f", overlap {analysis['overlap_share']:.0%}, tail {analysis['tail_ms']:.1f} ms"
+            notes.append(f"overlap {analysis['overlap_share']:.0%}, tail {analysis['tail_ms']:.1f} ms "
+                         f"({analysis['tail_share']:.1%})")
         lines.append(f"{e['model']:<6}{e['precision']:<15}{e['label']:<18}{rate:>30}{e['step_ms']:>9.1f}"
-                     f"{efficiency:>12}  {notes}")
+                     f"{efficiency:>24}{of_pair:>9}  {', '.join(notes)}")
     return "\n".join(lines)
 
 
@@ -582,7 +646,7 @@ def plot_efficiency(report, path):
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    results = report["results"]
+    results = report.get("summary") or report["results"]  # files from before --rounds have no summary
     labels = [v.label for v in selected_variants(MODES, GROUPING_NAMES) if v.mode != "single"]
     precisions = [p for p in PRECISIONS if any(e["precision"] == p for e in results)]
     models = [m for m in MODEL_NAMES if any(e["model"] == m for e in results)]
@@ -595,7 +659,11 @@ def plot_efficiency(report, path):
             xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(models))]
             entries = [by_key.get((m, label)) for m in models]
             heights = [e.get("efficiency", 0.0) if e else 0.0 for e in entries]
-            ax.bar(xs, heights, width, label=label)
+            # Error bars: the lowest and highest round's efficiency (none with one round).
+            spreads = [(e or {}).get("efficiency_spread") for e in entries]
+            errors = [[h - s["min"] if s else 0.0 for h, s in zip(heights, spreads)],
+                      [s["max"] - h if s else 0.0 for h, s in zip(heights, spreads)]]
+            ax.bar(xs, heights, width, label=label, yerr=errors, capsize=2)
             for x, e in zip(xs, entries):
                 if e is not None and "efficiency" not in e:  # ran but failed, or no baseline
                     ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=8)
@@ -622,28 +690,39 @@ def apply_quick(args):
     """--quick: tiny windows, 1 repeat, short warm-up, so the whole driver is a smoke test."""
     args.steps = args.steps or 3
     args.repeats = 1
+    args.rounds = 1
     args.warmup = 2
     args.launch_timeout = min(args.launch_timeout, 300)
 
 
+def rotated(items, k):
+    """items rotated left by k: each round starts with a different variant, so
+    none of them is always the first launch after a model change."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def run_driver(args):
-    """Driver role: runs every selected launch in turn, then prints, saves and plots the results."""
+    """Driver role: runs every selected launch --rounds times, then prints, saves and plots the results."""
     if args.quick:
         apply_quick(args)
     precisions = PRECISIONS if args.precision == "both" else [args.precision]
     variants = selected_variants(args.modes, args.groupings)
-    launches = [(p, m, v) for p in precisions for m in args.models for v in variants]
+    launches = [(r, p, m, v) for r in range(args.rounds) for p in precisions for m in args.models
+                for v in rotated(variants, r)]
     began = time.time()
     results = []
-    for k, (precision, model, variant) in enumerate(launches, 1):
-        results.append(run_launch(variant, model, precision, args))
+    for k, (round_index, precision, model, variant) in enumerate(launches, 1):
+        results.append(dict(run_launch(variant, model, precision, args), round=round_index))
         print(progress_line(k, len(launches), results[-1]), flush=True)
     add_efficiencies(results)
+    summary = summarize_rounds(results)
     report = {"benchmark": "training_bench", "batch_per_process": BATCH_PER_PROCESS,
               "distributed_processes": DISTRIBUTED_PROCESSES, "warmup": args.warmup, "repeats": args.repeats,
-              "steps": args.steps or "per model (bench_models.MODELS)", "quick": args.quick,
-              "cpu_count": os.cpu_count(), "driver_seconds": round(time.time() - began, 1), "results": results}
-    print(format_table(results), flush=True)
+              "rounds": args.rounds, "steps": args.steps or "per model (bench_models.MODELS)", "quick": args.quick,
+              "cpu_count": os.cpu_count(), "driver_seconds": round(time.time() - began, 1),
+              "summary": summary, "results": results}
+    print(format_table(summary), flush=True)
     print(f"driver: {len(launches)} launches in {report['driver_seconds']:.0f} s", flush=True)
     if args.json:
         write_json(report, args.json)
@@ -679,6 +758,8 @@ def parse_args():
     timing.add_argument("--repeats", type=int, default=8, help="timed windows; median and min/max over them")
     timing.add_argument("--inter-op-threads", type=int, default=1,
                         help="TensorFlow inter-op threads per process (0: TensorFlow's default)")
+    timing.add_argument("--rounds", type=int, default=3,
+                        help="driver: run every launch this many times (interleaved); report medians over rounds")
     timing.add_argument("--quick", action="store_true", help="driver smoke test: 3-step windows, 1 repeat")
     timing.add_argument("--launch-timeout", type=float, default=900, help="seconds before a launch is stopped")
     out = p.add_argument_group("output")

@@ -40,3 +40,16 @@ def test_analyze_skips_warmup_and_reports_medians(tmp_path):
     result = analyze(str(path), skip=2)
     assert result["steps"] == 3  # steps 2, 3, 4 (the last has no successor)
     assert abs(result["tail_share"] - 0.1) < 1e-9 and abs(result["overlap_share"] - 2 / 3) < 1e-9
+
+
+def test_timeline_plot_steps_skip_one_off_first_tensor():
+    # The trace starts with a one-off broadcast; timeline_plot must still find
+    # the 3 training steps (it used to start a step only at that broadcast).
+    from tf_mpi.timeline_plot import summarize
+    steps = summarize(_trace(steps=3))
+    assert len(steps) == 3
+    for s in steps:
+        assert abs(s["negotiate"] - 7.0) < 1e-9  # g.late 1000-8000 covers g.early 2000-3000
+        assert s["queue"] == 0.0
+        assert abs(s["copy"] - 0.2) < 1e-9       # drawn on both tracks, counted once
+        assert abs(s["mpi"] - 2.8) < 1e-9        # 2 ms (g.early) + 0.8 ms (g.late)

@@ -9,24 +9,59 @@ Example (run with ``mpirun -np 2 python train.py``)::
 
     hvd.init()
     total = hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)
+
+The names below are loaded on first use (PEP 562), so that tools that do not
+need TensorFlow (``python -m tf_mpi.run``, the timeline tools) start without
+importing it.
 """
-from tf_mpi.basics import (  # noqa: F401
-    Average, Sum, Min, Max, Product, Adasum,
-    init, shutdown, is_initialized, rank, size, local_rank, local_size, cross_rank, cross_size,
-    mpi_threads_supported, mpi_enabled, mpi_built, gloo_built, nccl_built, ccl_built, ddl_built,
-    rocm_built, cuda_built, start_timeline, stop_timeline, join,
-)
-from tf_mpi.compression import Compression
-from tf_mpi.ops import (
-    allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast, grouped_broadcast,
-    alltoall, reducescatter, grouped_reducescatter,
-    rank_op, size_op, local_rank_op, local_size_op,
-)
-from tf_mpi.functions import (
-    broadcast_variables, broadcast_, broadcast_object, broadcast_object_fn, allgather_object, barrier,
-)
-from tf_mpi import data
-from tf_mpi.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
-from tf_mpi import grouping
+import importlib
 
 __version__ = "0.1.0"
+
+# Public name -> the submodule that defines it.
+_API = {
+    "basics": (
+        "Average", "Sum", "Min", "Max", "Product", "Adasum",
+        "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+        "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+        "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built",
+        "start_timeline", "stop_timeline", "join",
+    ),
+    "compression": ("Compression",),
+    "ops": (
+        "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+        "grouped_broadcast", "alltoall", "reducescatter", "grouped_reducescatter",
+        "rank_op", "size_op", "local_rank_op", "local_size_op",
+    ),
+    "functions": (
+        "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn",
+        "allgather_object", "barrier",
+    ),
+    "gradient_tape": ("DistributedGradientTape", "PartialDistributedGradientTape"),
+}
+_ORIGIN = {name: module for module, names in _API.items() for name in names}
+
+# Submodules reachable as attributes (``hvd.data``, ``hvd.basics._core``). data and
+# grouping are API; the others used to be bound as a side effect of the eager imports,
+# and code relies on that.
+_SUBMODULES = ("data", "grouping", "basics", "compression", "functions", "gradient_tape",
+               "ops", "reducer", "_core")
+
+# ``from tf_mpi import *`` (tf_mpi.keras does it) exports what it exported before,
+# when everything was imported eagerly: all public names, submodules included.
+__all__ = [*_ORIGIN, *(m for m in _SUBMODULES if not m.startswith("_"))]
+
+
+def __getattr__(name):
+    if name in _ORIGIN:
+        value = getattr(importlib.import_module(f"{__name__}.{_ORIGIN[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups find it directly
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

@@ -3,15 +3,18 @@ time spent negotiating, queued, copying into/out of fusion buffers, and in MPI.
 
     python -m tf_mpi.timeline_plot trace.json summary.png
 
-A step starts at each negotiation of the tensor that was negotiated first in
-the trace (the first gradient of a training step). Phases recorded on several
-tracks (a fused bucket appears on each member's track) are counted once;
-overlapping negotiations are merged, so the bars show wall time per phase.
+Steps are found as in tf_mpi.timeline_analysis (the k-th occurrence of each
+collective name that recurs every step belongs to step k); a step's bar covers
+everything from its first negotiation to the next step's, so one-off work
+before the first step (the initial variable broadcast) is left out. Phases
+recorded on several tracks (a fused bucket appears on each member's track) are
+counted once; overlapping negotiations are merged, so the bars show wall time
+per phase.
 """
 import json
 import sys
 
-from tf_mpi.timeline_analysis import union_length
+from tf_mpi.timeline_analysis import step_breakdown, union_length
 
 PHASES = {
     "NEGOTIATE": "negotiate",
@@ -27,11 +30,11 @@ def summarize(trace):
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
     spans = [e for e in events if e.get("ph") == "X"]
-    negotiations = sorted((e for e in spans if e["name"] == "NEGOTIATE"), key=lambda e: e["ts"])
-    if not negotiations:
+    # Step boundaries come from timeline_analysis, so both tools agree on what a step is.
+    starts = [s["first"] for s in step_breakdown(events)]
+    if not starts:
         return []
-    marker = negotiations[0]["tid"]
-    starts = [e["ts"] for e in negotiations if e["tid"] == marker] + [float("inf")]
+    starts.append(float("inf"))
     steps = []
     for begin, end in zip(starts, starts[1:]):
         phases = {k: set() for k in COLORS}

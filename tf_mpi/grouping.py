@@ -8,15 +8,17 @@ still computes the rest (wait-free backpropagation). The plan:
    this is read from the graph: the creation index of each gradient's
    producing op (``tape.gradient`` emits ops in backprop order). In eager code
    the variable list reversed is used.
-2. **Cut** that order into contiguous groups of at most ``threshold_bytes``
-   (default ``TF_MPI_GROUP_BYTES`` = 4 MiB); a larger tensor forms its own group.
-3. **Merge** with an alpha-beta cost model (as in MG-WFBP): a message costs
-   ``alpha + beta * bytes``. A group whose transfer time ``beta * bytes`` is
-   below the per-message latency ``alpha`` is latency-bound; it is merged into
-   the next group (if the sum stays within the threshold), which saves
-   ``alpha`` and costs little, since the next tensors are ready soon after. ``alpha`` and ``beta`` are measured once with probe
-   allreduces and rank 0's values are used everywhere, so every rank derives
-   the same plan.
+2. **Cut** that order with an alpha-beta cost model (as in MG-WFBP): a
+   message costs ``alpha + beta * bytes``. A group is closed as soon as it is
+   bandwidth-bound, i.e. its transfer time ``beta * bytes`` is at least
+   ``MIN_GROUP_COST_FACTOR`` (4) times the per-message latency ``alpha`` (so
+   start-up is at most a fifth of its cost): merging more into it would save
+   little, while sending it now lets it overlap the rest of backprop.
+   Latency-bound tensors (small biases, small layers) are merged into the
+   next ones instead. No group grows beyond ``threshold_bytes`` (default
+   ``TF_MPI_GROUP_BYTES`` = 4 MiB) unless a single tensor is larger.
+   ``alpha`` and ``beta`` are measured once with probe allreduces and rank
+   0's values are used everywhere, so every rank derives the same plan.
 
 ``num_groups`` (equal-byte contiguous groups) or explicit ``groups`` (lists of
 variables) override steps 2-3. Every rank checks at trace time that all ranks
@@ -136,7 +138,17 @@ def production_order(grads):
     return list(reversed(range(len(grads))))
 
 
-def _split_by_bytes(order, sizes, threshold):
+# A group is closed once its transfer time is this many times the message
+# latency alpha (start-up at most 1/5 of its cost). Lower: more, earlier
+# messages (more overlap, more start-ups); higher: fewer, later ones.
+MIN_GROUP_COST_FACTOR = 4
+
+
+def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold):
+    """Contiguous groups in backprop order: each closes once it is
+    bandwidth-bound (see MIN_GROUP_COST_FACTOR) or before it would exceed
+    `threshold` bytes."""
+    enough = MIN_GROUP_COST_FACTOR * cost_model.break_even_bytes
     groups, current, current_bytes = [], [], 0
     for i in order:
         if current and current_bytes + sizes[i] > threshold:
@@ -144,23 +156,12 @@ def _split_by_bytes(order, sizes, threshold):
             current, current_bytes = [], 0
         current.append(i)
         current_bytes += sizes[i]
+        if current_bytes >= enough:
+            groups.append(current)
+            current, current_bytes = [], 0
     if current:
         groups.append(current)
     return groups
-
-
-def _merge_latency_bound(groups, sizes, cost_model, threshold):
-    """Merges each group whose transfer time is below alpha into the next one,
-    as long as the result stays within the byte threshold."""
-    nbytes = lambda g: sum(sizes[i] for i in g)  # noqa: E731
-    merged = []
-    for g in groups:
-        if merged and cost_model.beta * nbytes(merged[-1]) < cost_model.alpha \
-                and nbytes(merged[-1]) + nbytes(g) <= threshold:
-            merged[-1] = merged[-1] + g
-        else:
-            merged.append(list(g))
-    return merged
 
 
 def _equal_bytes(order, sizes, num_groups):
@@ -205,8 +206,8 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
     else:
         threshold = int(threshold_bytes or os.environ.get("TF_MPI_GROUP_BYTES", DEFAULT_GROUP_BYTES))
         model = cost_model or measure_cost_model()
-        index_groups = _merge_latency_bound(_split_by_bytes(order, sizes, threshold), sizes, model, threshold)
-        source = "backprop order, byte threshold, alpha-beta merge"
+        index_groups = _cut_when_bandwidth_bound(order, sizes, model, threshold)
+        source = "backprop order, cut when bandwidth-bound (alpha-beta), byte bound"
     plan = Plan([Group(g, [names[i] for i in g], sum(sizes[i] for i in g)) for g in index_groups],
                 order, source, threshold, model)
     signature = repr([(g.names, g.nbytes) for g in plan.groups]).encode()

@@ -1,0 +1,39 @@
+"""The grouping plan's cut rule on known sizes (single process; the plan on a
+real model and its agreement across ranks are checked in keras_worker.py)."""
+from tf_mpi.grouping import MIN_GROUP_COST_FACTOR, CostModel, _cut_when_bandwidth_bound
+
+# alpha 50 us, beta 1 ns/B: break-even 50 kB, so a group is bandwidth-bound from 200 kB.
+MODEL = CostModel(alpha=50e-6, beta=1e-9)
+MIB = 1 << 20
+# MLP 784-512-512-10 in backprop order: out/bias, out/kernel, d2/bias, d2/kernel, d1/bias, d1/kernel.
+MLP = [40, 20480, 2048, 1048576, 2048, 1605632]
+
+
+def test_factor_is_what_the_numbers_below_assume():
+    assert MIN_GROUP_COST_FACTOR == 4
+
+
+def test_small_tensors_ride_with_the_next_large_one_and_large_groups_go_early():
+    # The last layer's small tensors join d2/kernel; that group (1 MB) is sent
+    # while d1 is still being differentiated. One 2.7 MB group would wait for all.
+    assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, 4 * MIB) == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_the_byte_bound_still_cuts_and_a_big_tensor_stands_alone():
+    assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, MIB) == [[0, 1, 2], [3], [4], [5]]
+
+
+def test_latency_bound_model_is_one_group():
+    sizes = [4000] * 10  # 40 kB in all: below 200 kB, one message is cheapest
+    assert _cut_when_bandwidth_bound(range(10), sizes, MODEL, 4 * MIB) == [list(range(10))]
+
+
+def test_a_slower_network_makes_bigger_groups():
+    slow_start = CostModel(alpha=2e-3, beta=1e-9)  # 2 ms per message: 8 MB before a group is worth sending
+    assert _cut_when_bandwidth_bound(range(6), MLP, slow_start, 4 * MIB) == [list(range(6))]
+
+
+def test_order_is_kept_and_every_tensor_is_in_exactly_one_group():
+    order = [5, 3, 1, 0, 2, 4]
+    groups = _cut_when_bandwidth_bound(order, MLP, MODEL, 4 * MIB)
+    assert [i for g in groups for i in g] == order

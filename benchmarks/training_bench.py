@@ -50,8 +50,9 @@ Run from the repository root (the driver spawns every launch itself)::
     # it is reported as "tfmpi graph +timeline" and not used for throughput (tracing costs rank 0 time):
     python benchmarks/training_bench.py --driver --modes single tfmpi --groupings graph --timeline /tmp/trace.json
 
-    # Plot a saved result file again, without running anything:
+    # Plot a saved result file again, or print it as the Markdown table of docs/performance.md:
     python benchmarks/training_bench.py --plot train.png --results train.json
+    python benchmarks/training_bench.py --markdown --results train.json
 
 One launch by hand (what the driver runs; the reporting process prints ``RESULT {json}``)::
 
@@ -390,17 +391,12 @@ def timeline_path(prefix, model, precision):
 
 
 def tf_mpi_launcher():
-    """tf_mpi/run.py as a module of its own: what ``python -m tf_mpi.run -np N`` runs.
-
-    ``python -m tf_mpi.run`` first imports the tf_mpi package, and with it
-    TensorFlow (about 6 s per launch on 2 cores), only to start mpirun;
-    run.py itself needs the standard library alone, so it is loaded by path.
-    """
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("tf_mpi_run", os.path.join(REPO_ROOT, "tf_mpi", "run.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tf_mpi.run: what ``python -m tf_mpi.run -np N`` runs (it imports no TensorFlow,
+    so the driver stays light)."""
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    from tf_mpi import run
+    return run
 
 
 def launch_commands(variant, model, precision, args):
@@ -416,7 +412,6 @@ def launch_commands(variant, model, precision, args):
         trace = None
         if variant.timeline:
             trace = timeline_path(args.timeline, model, precision)
-            os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)  # the engine does not create it
             env["TF_MPI_TIMELINE"] = trace
         launcher = tf_mpi_launcher()
         argv = launcher.mpirun_command(DISTRIBUTED_PROCESSES, [sys.executable] + script)
@@ -524,14 +519,37 @@ def analyze_timeline(path):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def cpu_ticks():
+    """(steal, total) CPU ticks of the whole machine since boot, from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(before, after):
+    """Share of CPU time the hypervisor gave to other guests between two cpu_ticks() readings.
+
+    On a shared VM this is the main source of launch-to-launch noise: a
+    synchronous 2-process job waits for its slower rank every step, so a
+    stolen core slows it far more than it slows independent processes.
+    """
+    if not before or not after or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def run_launch(variant, model, precision, args):
     """Runs one launch; returns its result entry (status ok, or unavailable with the error)."""
     commands, trace = launch_commands(variant, model, precision, args)
-    began = time.time()
+    began, ticks = time.time(), cpu_ticks()
     codes, output = run_processes(commands, args.launch_timeout)
     result = parse_result(output, expected=len(commands) if variant.mode == "pair" else 1)
     entry = {"model": model, "precision": precision, "mode": variant.mode, "grouping": variant.grouping,
-             "label": variant.label, "launch_seconds": round(time.time() - began, 1), "exit_codes": codes}
+             "label": variant.label, "launch_seconds": round(time.time() - began, 1), "exit_codes": codes,
+             "cpu_steal_share": steal_share(ticks, cpu_ticks())}
     if result is None or any(codes):
         error, tail = error_summary(output)
         entry.update(status="unavailable", error=error, output_tail=tail)
@@ -591,6 +609,9 @@ def summarize_rounds(results):
         if len(ok) > 1:
             entry["samples_per_sec_min"], entry["samples_per_sec_max"] = rates["min"], rates["max"]
         entry["step_ms"] = statistics.median(e["step_ms"] for e in ok)
+        steals = [e["cpu_steal_share"] for e in ok if e.get("cpu_steal_share") is not None]
+        if steals:
+            entry["cpu_steal_share"] = spread(steals)
         for metric in ("efficiency", "of_pair"):
             values = [e[metric] for e in ok if metric in e]
             if values:
@@ -608,9 +629,11 @@ def summarize_rounds(results):
 def progress_line(k, total, entry):
     """One line per finished launch, so a long driver run shows where it is."""
     what = f"[{k}/{total}] round {entry.get('round', 0) + 1}: {entry['model']} {entry['precision']} {entry['label']}"
+    steal = entry.get("cpu_steal_share")
+    took = f"[{entry['launch_seconds']:.0f} s" + (f", CPU steal {steal:.0%}]" if steal is not None else "]")
     if entry["status"] != "ok":
-        return f"{what}: UNAVAILABLE ({entry['error']}) [{entry['launch_seconds']:.0f} s]"
-    return f"{what}: {entry['samples_per_sec']:.1f} samples/s [{entry['launch_seconds']:.0f} s]"
+        return f"{what}: UNAVAILABLE ({entry['error']}) {took}"
+    return f"{what}: {entry['samples_per_sec']:.1f} samples/s {took}"
 
 
 def format_table(summary):
@@ -630,6 +653,9 @@ def format_table(summary):
             efficiency = f"{e['efficiency']:.1%} [{s['min']:.0%}-{s['max']:.0%}]"
         of_pair = f"{e['of_pair']:.0%}" if "of_pair" in e else "-"
         notes = [] if e["rounds_ok"] == e["rounds"] else [f"{e['rounds_ok']}/{e['rounds']} rounds ok"]
+        steal = e.get("cpu_steal_share")
+        if isinstance(steal, dict) and steal["max"] >= 0.02:
+            notes.append(f"CPU steal up to {steal['max']:.0%}")
         groups = e.get("groups")
         if groups is not None:
             notes.append(f"{groups} group{'' if groups == 1 else 's'}")
@@ -640,6 +666,33 @@ def format_table(summary):
         lines.append(f"{e['model']:<6}{e['precision']:<15}{e['label']:<18}{rate:>30}{e['step_ms']:>9.1f}"
                      f"{efficiency:>24}{of_pair:>9}  {', '.join(notes)}")
     return "\n".join(lines)
+
+
+def format_markdown(summary):
+    """The summary as a Markdown table, one row per model and precision, one column per variant:
+    samples/s median [lowest-highest round], and the efficiency (median over rounds)."""
+    labels = []
+    for e in summary:
+        if e["label"] not in labels:
+            labels.append(e["label"])
+    rows = []
+    for key in dict.fromkeys((e["model"], e["precision"]) for e in summary):
+        cells = []
+        for label in labels:
+            e = next((e for e in summary if (e["model"], e["precision"]) == key and e["label"] == label), None)
+            if e is None:
+                cells.append("")
+            elif e["status"] != "ok":
+                cells.append("unavailable")
+            else:
+                cell = f"{e['samples_per_sec']:.0f} [{e['samples_per_sec_min']:.0f}-{e['samples_per_sec_max']:.0f}]"
+                if "efficiency" in e:
+                    s = e["efficiency_spread"]
+                    cell += f"<br>**{e['efficiency']:.0%}** [{s['min']:.0%}-{s['max']:.0%}]"
+                cells.append(cell)
+        rows.append(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
+    header = "| model | " + " | ".join(labels) + " |"
+    return "\n".join([header, "|" + "---|" * (len(labels) + 1)] + rows)
 
 
 def plot_efficiency(report, path):
@@ -771,7 +824,8 @@ def parse_args():
     out = p.add_argument_group("output")
     out.add_argument("--json", help="driver: write all results here")
     out.add_argument("--plot", help="PNG of scaling efficiency (driver, or with --results)")
-    out.add_argument("--results", help="with --plot and no --driver: plot this saved --json file")
+    out.add_argument("--results", help="without --driver: a saved --json file to --plot and/or print as --markdown")
+    out.add_argument("--markdown", action="store_true", help="with --results: print the summary as a Markdown table")
     out.add_argument("--timeline", metavar="PATH",
                      help="driver: TF_MPI_TIMELINE for `tfmpi graph` launches (PATH.<model>.<precision>.json)")
     p.add_argument("--no-mwms-workaround", action="store_true",
@@ -779,9 +833,9 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if sum([args.driver, args.mode is not None, bool(args.results)]) != 1:
-        p.error("give exactly one of --driver, --mode or --results (with --plot)")
-    if args.results and not args.plot:
-        p.error("--results needs --plot")
+        p.error("give exactly one of --driver, --mode or --results (with --plot and/or --markdown)")
+    if args.results and not (args.plot or args.markdown):
+        p.error("--results needs --plot and/or --markdown")
     if args.warmup < 1 or args.repeats < 1 or (args.steps is not None and args.steps < 1):
         p.error("--warmup, --repeats and --steps must be >= 1")  # warm-up >= 1: the first step traces
     return args
@@ -795,8 +849,12 @@ def main():
         run_driver(args)
     else:
         with open(args.results) as f:
-            plot_efficiency(json.load(f), args.plot)
-        print(f"wrote {args.plot}", flush=True)
+            report = json.load(f)
+        if args.markdown:
+            print(format_markdown(report["summary"]))
+        if args.plot:
+            plot_efficiency(report, args.plot)
+            print(f"wrote {args.plot}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 #include "timeline.h"
 
+#include <filesystem>
 #include <sstream>
+#include <system_error>
 
 namespace tfmpi {
 
@@ -22,6 +24,10 @@ std::string JsonString(const std::string& s) {
 bool Timeline::Start(const std::string& path) {
   Stop();
   std::lock_guard<std::mutex> lock(mu_);
+  // TF_MPI_TIMELINE=runs/today/trace.json should not fail for want of a folder.
+  const auto parent = std::filesystem::path(path).parent_path();
+  std::error_code ignored;  // if it cannot be made, fopen below reports the failure
+  if (!parent.empty()) std::filesystem::create_directories(parent, ignored);
   file_ = std::fopen(path.c_str(), "w");
   if (!file_) return false;
   std::fputs("{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n", file_);

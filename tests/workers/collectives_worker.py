@@ -217,7 +217,8 @@ def check_join_refuses_collectives_that_cannot_stand_in():
 def check_timeline_records_a_known_sequence():
     import json
     import tempfile
-    path = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "trace.json") if R == 0 else None)
+    # A folder that does not exist yet: the engine creates it.
+    path = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "new", "dir", "trace.json") if R == 0 else None)
     hvd.start_timeline(path)
     hvd.grouped_allreduce([tf.ones([4]), tf.ones([8]), tf.ones([2])], op=hvd.Sum, name="tl.group")
     hvd.allreduce(tf.ones([3, 3]), op=hvd.Sum, name="tl.single")

@@ -65,7 +65,40 @@ void FailAll(InFlight* in_flight, const std::string& why) {
   in_flight->clear();
 }
 
+// True on a thread while it holds progress_mu_: a request it submits from a
+// done callback (TensorFlow may run the next kernel inline) must not try to drive.
+thread_local bool tls_in_protocol = false;
+
+int64_t RequestBytes(const Request& r) {
+  int64_t n = 0;
+  for (const TensorMeta& t : r.meta.tensors) n += NumElements(t.shape) * static_cast<int64_t>(DataTypeSize(t.dtype));
+  return n;
+}
+
 }  // namespace
+
+struct Engine::Protocol {
+  Protocol(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats, Timeline* timeline)
+      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, stats, timeline) {
+    if (mpi->rank() == 0)
+      coord = std::make_unique<Coordinator>(mpi->size(), &cache, config.stall_check_s, config.stall_shutdown_s, timeline);
+    if (mpi->rank() == 0 && config.autotune) tuner = std::make_unique<Autotuner>(config.tunables, config.autotune_steps);
+  }
+  ResponseCache cache;
+  std::unique_ptr<Coordinator> coord;  // rank 0 only
+  Executor executor;
+  std::unique_ptr<Autotuner> tuner;    // rank 0 with TF_MPI_AUTOTUNE=1
+  InFlight in_flight;
+  Outbox outbox;
+  bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving
+  bool coordinator_gone = false;
+  bool done = false;             // the protocol has ended on this rank
+  Clock::time_point last_stall_check = Clock::now();
+  std::vector<char> bytes;
+};
+
+Engine::Engine() = default;
+Engine::~Engine() = default;
 
 Engine& Engine::Get() {
   // Leaked on purpose: a static destructor would run after MPI_Finalize and
@@ -89,6 +122,7 @@ Status Engine::Init(const InitOptions& opts) {
     std::lock_guard<std::mutex> lock(mu_);
     stop_requested_ = false;
   }
+  protocol_ = std::make_unique<Protocol>(&mpi_, config_, &stats_, &timeline_);
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {
     s = StartTimeline(path);
@@ -106,6 +140,10 @@ void Engine::Shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard<std::mutex> turn(progress_mu_);
+    protocol_.reset();
+  }
   timeline_.Stop();
   mpi_.Release();
   initialized_ = false;
@@ -182,13 +220,50 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
     return Status::Precondition("tf_mpi has not been initialized; call tf_mpi.init() first");
   Status s = Validate(*r);
   if (!s.ok()) return s;
+  // A small request is run by this thread (Drive) when no one else is running
+  // the protocol right now; otherwise the background thread is woken.
+  std::unique_lock<std::mutex> turn;
+  if (!tls_in_protocol && RequestBytes(*r) <= config_.inline_bytes && config_.inline_bytes > 0)
+    turn = std::unique_lock<std::mutex>(progress_mu_, std::try_to_lock);
+  const bool drive = turn.owns_lock() && protocol_ && !protocol_->done;
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  if (drive) {
+    r->done = [done = std::move(r->done), finished](const Status& st) {
+      done(st);
+      finished->store(true);
+    };
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_requested_) return Status::Precondition("tf_mpi has been shut down");
     queue_.push_back(std::move(r));
+    if (drive) driving_ = true;
   }
-  cv_.notify_one();
+  if (drive) Drive(std::move(turn), *finished);
+  else cv_.notify_one();
   return Status::OK();
+}
+
+void Engine::Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& finished) {
+  Protocol& p = *protocol_;
+  tls_in_protocol = true;
+  const auto patience = std::chrono::microseconds(config_.inline_wait_us);
+  auto last_progress = Clock::now();
+  while (!p.done && !finished.load()) {
+    if (Step(p)) last_progress = Clock::now();
+    else if (Clock::now() - last_progress > patience) break;
+  }
+  tls_in_protocol = false;
+  const bool work_left = !p.in_flight.empty() || p.done;
+  turn.unlock();
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    driving_ = false;
+    wake = work_left || !queue_.empty() || stop_requested_;
+    handoff_ = handoff_ || wake;
+  }
+  if (wake) cv_.notify_one();
 }
 
 void Engine::Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono::steady_clock::time_point now,
@@ -209,135 +284,142 @@ void Engine::Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono:
   if (tuner->finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE=1), median step time per setting:" + tuner->Report());
 }
 
-void Engine::Loop() {
+void Engine::RunBatch(Protocol& p, const std::vector<Decision>& decisions) {
+  // Runs one batch of decisions exactly as rank 0 ran it (fusion plans depend
+  // on batch boundaries, so batches are never merged).
+  const int rank = mpi_.rank();
+  for (const Decision& d : decisions) {
+    if (d.kind == Decision::Kind::kCoordinatorGone) p.coordinator_gone = true;
+    if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank) p.done = true;
+  }
+  if (!p.executor.Run(decisions, &p.in_flight, &p.cache)) Abort(1);
+  for (const Decision& d : decisions) {
+    if (d.kind != Decision::Kind::kSettings) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    tunables_ = d.tunables;
+  }
+  if (p.coordinator_gone) {
+    FailAll(&p.in_flight, "tf_mpi: rank 0 called shutdown(); no more collectives can run");
+    if (p.stop_announced) p.done = true;
+  }
+}
+
+bool Engine::Step(Protocol& p) {
   const int rank = mpi_.rank();
   const int size = mpi_.size();
   const MPI_Comm comm = mpi_.comm();
-  ResponseCache cache(static_cast<size_t>(config_.cache_capacity));
-  std::unique_ptr<Coordinator> coord;
-  if (rank == 0) coord = std::make_unique<Coordinator>(size, &cache, config_.stall_check_s, config_.stall_shutdown_s, &timeline_);
-  Executor executor(&mpi_, config_, &stats_, &timeline_);
-  std::unique_ptr<Autotuner> tuner;
-  if (rank == 0 && config_.autotune) tuner = std::make_unique<Autotuner>(config_.tunables, config_.autotune_steps);
-  InFlight in_flight;
-  Outbox outbox;
-  bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving
-  bool coordinator_gone = false;
-  bool done = false;
-  Clock::time_point last_activity = Clock::now();
-  Clock::time_point last_stall_check = last_activity;
-  std::vector<char> bytes;
+  bool progressed = false;
+  std::deque<std::unique_ptr<Request>> fresh;
+  bool stop_requested;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fresh.swap(queue_);
+    stop_requested = stop_requested_;
+  }
+  const Clock::time_point now = Clock::now();
 
-  // Runs one batch of decisions exactly as rank 0 ran it (fusion plans depend
-  // on batch boundaries, so batches are never merged).
-  auto run_batch = [&](const std::vector<Decision>& decisions) {
-    for (const Decision& d : decisions) {
-      if (d.kind == Decision::Kind::kCoordinatorGone) coordinator_gone = true;
-      if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank) done = true;
+  // 1. Announce what callers submitted.
+  std::vector<Announcement> outgoing;
+  for (auto& r : fresh) {
+    progressed = true;
+    const std::string name = r->meta.name;
+    if (p.coordinator_gone) {
+      r->done(Status::Aborted("tf_mpi: rank 0 called shutdown(); no more collectives can run"));
+      continue;
     }
-    if (!executor.Run(decisions, &in_flight, &cache)) Abort(1);
-    for (const Decision& d : decisions) {
-      if (d.kind != Decision::Kind::kSettings) continue;
-      std::lock_guard<std::mutex> lock(mu_);
-      tunables_ = d.tunables;
+    if (p.in_flight.count(name)) {
+      r->done(Status::Invalid("tf_mpi: a collective named '" + name +
+                              "' is already in flight on this rank; concurrent collectives need distinct names"));
+      continue;
     }
-    if (coordinator_gone) {
-      FailAll(&in_flight, "tf_mpi: rank 0 called shutdown(); no more collectives can run");
-      if (stop_announced) done = true;
-    }
-  };
-
-  while (!done) {
-    bool progressed = false;
-    std::deque<std::unique_ptr<Request>> fresh;
-    bool stop_requested;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fresh.swap(queue_);
-      stop_requested = stop_requested_;
-    }
-    const Clock::time_point now = Clock::now();
-
-    // 1. Announce what callers submitted.
-    std::vector<Announcement> outgoing;
-    for (auto& r : fresh) {
-      progressed = true;
-      const std::string name = r->meta.name;
-      if (coordinator_gone) {
-        r->done(Status::Aborted("tf_mpi: rank 0 called shutdown(); no more collectives can run"));
-        continue;
-      }
-      if (in_flight.count(name)) {
-        r->done(Status::Invalid("tf_mpi: a collective named '" + name +
-                                "' is already in flight on this rank; concurrent collectives need distinct names"));
-        continue;
-      }
-      Announcement a;
-      if (auto id = cache.Lookup(r->meta, rank)) {
-        a.kind = Announcement::Kind::kCached;
-        a.cache_id = *id;
-      } else {
-        a.meta = r->meta;
-      }
-      in_flight.emplace(name, std::move(r));
-      if (rank != 0) {
-        outgoing.push_back(std::move(a));
-      } else if (a.kind == Announcement::Kind::kCached) {
-        coord->AnnounceCached(0, a.cache_id, now);
-      } else {
-        coord->Announce(0, std::move(a.meta), now);
-      }
-    }
-    if (stop_requested && !stop_announced) {
-      stop_announced = progressed = true;
-      if (rank != 0) {
-        if (coordinator_gone) done = true;
-        else outgoing.push_back({Announcement::Kind::kShutdown, {}, 0});
-      }
-    }
-    if (!outgoing.empty())
-      outbox.Send(comm, 0, kTagAnnounce, std::make_shared<std::vector<char>>(Encode(outgoing)));
-
-    // 2. Rank 0 decides; workers receive decisions. Everyone executes them.
-    if (rank == 0) {
-      int from = 0;
-      std::vector<Announcement> items;
-      while (TryReceive(comm, MPI_ANY_SOURCE, kTagAnnounce, &bytes, &from)) {
-        progressed = true;
-        Decode(bytes, &items);
-        for (Announcement& a : items) {
-          if (a.kind == Announcement::Kind::kFull) coord->Announce(from, std::move(a.meta), now);
-          else if (a.kind == Announcement::Kind::kCached) coord->AnnounceCached(from, a.cache_id, now);
-          else coord->Departed(from);
-        }
-      }
-      if (now - last_stall_check > std::chrono::seconds(1)) {
-        coord->CheckStalls(now);
-        last_stall_check = now;
-      }
-      std::vector<Decision> decisions = coord->TakeDecisions();
-      if (tuner && !tuner->finished()) Autotune(tuner.get(), cache, now, &decisions);
-      if (stop_announced) decisions.push_back({Decision::Kind::kCoordinatorGone, 0, {}, -1});
-      if (!decisions.empty()) {
-        progressed = true;
-        auto encoded = std::make_shared<std::vector<char>>(Encode(decisions));
-        for (int w = 1; w < size; ++w) outbox.Send(comm, w, kTagDecide, encoded);
-        run_batch(decisions);
-        if (stop_announced) done = true;
-      }
+    Announcement a;
+    if (auto id = p.cache.Lookup(r->meta, rank)) {
+      a.kind = Announcement::Kind::kCached;
+      a.cache_id = *id;
     } else {
-      int from = 0;
-      std::vector<Decision> decisions;
-      while (!done && TryReceive(comm, 0, kTagDecide, &bytes, &from)) {
-        progressed = true;
-        Decode(bytes, &decisions);
-        run_batch(decisions);
+      a.meta = r->meta;
+    }
+    p.in_flight.emplace(name, std::move(r));
+    if (rank != 0) {
+      outgoing.push_back(std::move(a));
+    } else if (a.kind == Announcement::Kind::kCached) {
+      p.coord->AnnounceCached(0, a.cache_id, now);
+    } else {
+      p.coord->Announce(0, std::move(a.meta), now);
+    }
+  }
+  if (stop_requested && !p.stop_announced) {
+    p.stop_announced = progressed = true;
+    if (rank != 0) {
+      if (p.coordinator_gone) p.done = true;
+      else outgoing.push_back({Announcement::Kind::kShutdown, {}, 0});
+    }
+  }
+  if (!outgoing.empty())
+    p.outbox.Send(comm, 0, kTagAnnounce, std::make_shared<std::vector<char>>(Encode(outgoing)));
+
+  // 2. Rank 0 decides; workers receive decisions. Everyone executes them.
+  if (rank == 0) {
+    int from = 0;
+    std::vector<Announcement> items;
+    while (TryReceive(comm, MPI_ANY_SOURCE, kTagAnnounce, &p.bytes, &from)) {
+      progressed = true;
+      Decode(p.bytes, &items);
+      for (Announcement& a : items) {
+        if (a.kind == Announcement::Kind::kFull) p.coord->Announce(from, std::move(a.meta), now);
+        else if (a.kind == Announcement::Kind::kCached) p.coord->AnnounceCached(from, a.cache_id, now);
+        else p.coord->Departed(from);
       }
     }
-    outbox.Reap();
-    if (done) break;
+    if (now - p.last_stall_check > std::chrono::seconds(1)) {
+      p.coord->CheckStalls(now);
+      p.last_stall_check = now;
+    }
+    std::vector<Decision> decisions = p.coord->TakeDecisions();
+    if (p.tuner && !p.tuner->finished()) Autotune(p.tuner.get(), p.cache, now, &decisions);
+    if (p.stop_announced) decisions.push_back({Decision::Kind::kCoordinatorGone, 0, {}, -1});
+    if (!decisions.empty()) {
+      progressed = true;
+      auto encoded = std::make_shared<std::vector<char>>(Encode(decisions));
+      for (int w = 1; w < size; ++w) p.outbox.Send(comm, w, kTagDecide, encoded);
+      RunBatch(p, decisions);
+      if (p.stop_announced) p.done = true;
+    }
+  } else {
+    int from = 0;
+    std::vector<Decision> decisions;
+    while (!p.done && TryReceive(comm, 0, kTagDecide, &p.bytes, &from)) {
+      progressed = true;
+      Decode(p.bytes, &decisions);
+      RunBatch(p, decisions);
+    }
+  }
+  p.outbox.Reap();
+  return progressed;
+}
 
-    // 3. Wait without a fixed cycle. For spin_us after any activity, spin
+void Engine::Loop() {
+  const int rank = mpi_.rank();
+  Clock::time_point last_activity = Clock::now();
+  bool stop_seen = false;
+  while (true) {
+    bool progressed = false, expecting = false, driven = false;
+    {
+      std::unique_lock<std::mutex> turn(progress_mu_, std::try_to_lock);
+      if (turn.owns_lock()) {
+        Protocol& p = *protocol_;
+        if (p.done) break;  // a caller's Drive() ended the protocol
+        tls_in_protocol = true;
+        progressed = Step(p);
+        tls_in_protocol = false;
+        if (p.done) break;
+        expecting = !p.in_flight.empty() || p.stop_announced;
+      } else {
+        driven = true;  // a caller is running the protocol (Drive)
+      }
+    }
+
+    // Wait without a fixed cycle. For spin_us after any activity, spin
     // (yielding the CPU): in a training step the next submission, decision or
     // peer usually comes within microseconds, and a sleeping thread takes tens
     // of microseconds to wake. Then poll in slices of at most poll_us that a
@@ -347,36 +429,42 @@ void Engine::Loop() {
     // kCoordinatorIdleWake for the stall inspector and departing peers: on a
     // machine where training uses every core, each idle wake-up is CPU taken
     // from backprop (1 ms polling cost rank 0 ~3 % of a core in the LSTM
-    // benchmark and made it the slower rank every step).
+    // benchmark and made it the slower rank every step). While a caller
+    // drives, this thread sleeps until the caller hands over.
     if (progressed) {
       last_activity = Clock::now();
       continue;
     }
-    const bool expecting = !in_flight.empty() || stop_announced;
     const auto idle = Clock::now() - last_activity;
-    if (idle < std::chrono::microseconds(config_.spin_us)) {
+    if (!driven && idle < std::chrono::microseconds(config_.spin_us)) {
       std::this_thread::yield();
       continue;
     }
     std::unique_lock<std::mutex> lock(mu_);
-    auto has_news = [&] { return !queue_.empty() || stop_requested_ != stop_requested; };
-    if (!expecting) {
+    auto has_news = [&] { return handoff_ || stop_requested_ != stop_seen || (!driving_ && !queue_.empty()); };
+    if (!expecting || driven) {
       if (rank != 0) cv_.wait(lock, has_news);
       else cv_.wait_for(lock, kCoordinatorIdleWake, has_news);
     } else {
       const Clock::duration slice = std::chrono::microseconds(config_.poll_us);
       cv_.wait_for(lock, std::min<Clock::duration>(slice, idle / 4 + std::chrono::microseconds(1)), has_news);
     }
+    if (handoff_) last_activity = Clock::now();
+    handoff_ = false;
+    stop_seen = stop_requested_;
   }
 
-  FailAll(&in_flight, "tf_mpi: shut down while this collective was pending");
+  // Take the protocol one last time to fail what is left.
+  std::lock_guard<std::mutex> turn(progress_mu_);
+  Protocol& p = *protocol_;
+  FailAll(&p.in_flight, "tf_mpi: shut down while this collective was pending");
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_requested_ = true;  // refuse new work until the next init()
     for (auto& r : queue_) r->done(Status::Aborted("tf_mpi has been shut down"));
     queue_.clear();
   }
-  outbox.Drain(std::chrono::milliseconds(500));
+  p.outbox.Drain(std::chrono::milliseconds(500));
 }
 
 }  // namespace tfmpi

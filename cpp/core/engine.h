@@ -1,11 +1,16 @@
 // The per-process engine: callers (TensorFlow kernels, the Python binding)
-// enqueue Requests from any thread and return; a background thread announces
-// them to rank 0, executes rank 0's decisions and calls each request's `done`.
+// enqueue Requests from any thread and return; the protocol announces them to
+// rank 0, executes rank 0's decisions and calls each request's `done`.
 //
-//   caller threads --Enqueue--> queue --> background thread
+//   caller threads --Enqueue--> queue --> Step() (whoever holds progress_mu_)
 //        worker ranks:  announce (Isend to rank 0)  <-- decisions (from rank 0)
 //        rank 0:        Coordinator collects announcements, decides, sends
 //   then every rank: Executor runs decisions in order (fusion, MPI), done(status)
+//
+// Step() is normally run by the background thread. A caller that submits a
+// small request runs it itself for a short while instead (see Drive): with
+// one core per rank, handing a 1 KiB allreduce to another thread and back
+// costs more than the collective.
 #pragma once
 
 #include <atomic>
@@ -58,8 +63,18 @@ class Engine {
   void StopTimeline() { timeline_.Stop(); }
 
  private:
-  Engine() = default;
+  struct Protocol;  // the protocol's state; touched only under progress_mu_ (engine.cc)
+
+  Engine();
+  ~Engine();
   void Loop();
+  // One pass of the protocol: announce what was submitted, decide (rank 0) or
+  // receive decisions, execute them. Returns whether anything happened.
+  bool Step(Protocol& p);
+  void RunBatch(Protocol& p, const std::vector<Decision>& decisions);
+  // Runs Step() on the calling thread until `finished` or config().inline_wait_us
+  // pass without progress, then hands what is left to the background thread.
+  void Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& finished);
   // Rank 0: shows the tuner this batch's collectives and appends its new settings, if any.
   void Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono::steady_clock::time_point now,
                 std::vector<Decision>* decisions);
@@ -72,10 +87,16 @@ class Engine {
   std::atomic<bool> initialized_{false};
   std::thread thread_;
 
-  std::mutex mu_;
+  std::unique_ptr<Protocol> protocol_;
+  // Whoever holds it runs Step(): the background thread, or a caller in Drive().
+  std::mutex progress_mu_;
+
+  std::mutex mu_;  // guards the fields below
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Request>> queue_;
   bool stop_requested_ = false;
+  bool driving_ = false;   // a caller is in Drive(): the background thread stays asleep
+  bool handoff_ = false;   // a caller left Drive() with work in flight: the background thread takes over
   Tunables tunables_;  // a copy for callers; the executor's own copy is the one that acts
 };
 

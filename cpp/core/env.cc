@@ -43,13 +43,16 @@ EngineConfig EngineConfig::FromEnv() {
   c.stall_shutdown_s = EnvDouble("TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", 0.0);
   c.spin_us = EnvInt("TF_MPI_SPIN_US", 250);
   c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
+  c.inline_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_BYTES", 64 << 10));
+  c.inline_wait_us = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_WAIT_US", 100));
   return c;
 }
 
 std::string EngineConfig::ToString() const {
   std::ostringstream os;
   os << tunables.ToString() << " autotune=" << autotune << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
-     << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us;
+     << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
+     << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us;
   return os.str();
 }
 

@@ -172,6 +172,28 @@ def check_submission_order_differs_per_rank():
         assert_close(results[n], reference(hvd.Sum, (16,), seed=i), tf.float32, n)
 
 
+def check_tf_function_does_not_chain_collectives_in_program_order():
+    # tf.function runs stateful ops in program order unless told otherwise.
+    # Chained, this rank-dependent program order would deadlock (rank 0 waits
+    # in 'prog.0', rank 1 in 'prog.9'), and no collectives could fuse.
+    names = [f"prog.{i}" for i in range(10)]
+    order = names if R % 2 == 0 else names[::-1]
+    inputs = [tf.constant(values(R, (8,), seed=i), tf.float32) for i in range(len(names))]
+
+    @tf.function
+    def step(ts):
+        return {n: hvd.allreduce(ts[names.index(n)], op=hvd.Sum, name=n) for n in order}
+
+    graph = step.get_concrete_function(inputs).graph
+    collectives = [op for op in graph.get_operations() if op.type == "TfMpiAllreduce"]
+    assert len(collectives) == len(names)
+    chained = [(op.name, c.name) for op in collectives for c in op.control_inputs if c.type == "TfMpiAllreduce"]
+    assert not chained, f"collectives chained by control edges: {chained}"
+    out = step(inputs)
+    for i, n in enumerate(names):
+        assert_close(out[n].numpy(), reference(hvd.Sum, (8,), seed=i), tf.float32, n)
+
+
 def check_empty_and_scalar_tensors():
     for dtype in (tf.float32, tf.int32, tf.float16):
         for shape in [(0,), (3, 0), ()]:

@@ -226,8 +226,9 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
   if (!tls_in_protocol && RequestBytes(*r) <= config_.inline_bytes && config_.inline_bytes > 0)
     turn = std::unique_lock<std::mutex>(progress_mu_, std::try_to_lock);
   const bool drive = turn.owns_lock() && protocol_ && !protocol_->done;
-  auto finished = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<std::atomic<bool>> finished;
   if (drive) {
+    finished = std::make_shared<std::atomic<bool>>(false);
     r->done = [done = std::move(r->done), finished](const Status& st) {
       done(st);
       finished->store(true);

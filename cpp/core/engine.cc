@@ -71,7 +71,7 @@ thread_local bool tls_in_protocol = false;
 
 int64_t RequestBytes(const Request& r) {
   int64_t n = 0;
-  for (const TensorMeta& t : r.meta.tensors) n += NumElements(t.shape) * static_cast<int64_t>(DataTypeSize(t.dtype));
+  for (const TensorMeta& t : r.meta.tensors) n += TensorBytes(t);
   return n;
 }
 

@@ -224,7 +224,7 @@ void Executor::RunReducescatter(const Work& w) {
     const void* in = w.request->inputs[t];
     std::vector<char> scaled;
     if (m.prescale != 1.0) {
-      scaled.resize(NumElements(tm.shape) * DataTypeSize(tm.dtype));
+      scaled.resize(TensorBytes(tm));
       ScaleCopy(scaled.data(), in, NumElements(tm.shape), tm.dtype, m.prescale);
       in = scaled.data();
     }
@@ -238,7 +238,7 @@ void Executor::RunReducescatter(const Work& w) {
 void Executor::RunBroadcast(const Work& w) {
   const RequestMeta& m = w.request->meta;
   for (size_t t = 0; t < m.tensors.size(); ++t) {
-    const int64_t bytes = NumElements(m.tensors[t].shape) * DataTypeSize(m.tensors[t].dtype);
+    const int64_t bytes = TensorBytes(m.tensors[t]);
     void* out = w.request->outputs[t];
     if (mpi_->rank() == m.root && out != w.request->inputs[t]) std::memcpy(out, w.request->inputs[t], bytes);
     collectives_.Broadcast(out, bytes, m.root);

@@ -17,6 +17,10 @@ struct TensorMeta {
   Shape shape;
 };
 
+inline int64_t TensorBytes(const TensorMeta& t) {
+  return NumElements(t.shape) * static_cast<int64_t>(DataTypeSize(t.dtype));
+}
+
 // The negotiated identity of a collective. A grouped collective is one
 // RequestMeta with several tensors: it is negotiated and completed as a unit.
 struct RequestMeta {

@@ -15,7 +15,10 @@ mixed_float16. Each measurement is its own launch:
              graph       the default plan (backprop order, cut when bandwidth-bound, byte bound),
              one         num_groups=1 (all dense gradients in one fused allreduce),
              per-tensor  one group per variable and TF_MPI_FUSION_THRESHOLD=0
-                         (the engine fuses nothing: one MPI allreduce per tensor).
+                         (the engine fuses nothing: one MPI allreduce per tensor),
+           and an Embedding's sparse gradient densified before its allreduce
+           (sparse_as_dense=True; --sparse both adds `tfmpi graph allgather`,
+           where it is allgathered as tf.IndexedSlices instead).
   mwms     tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes on
            localhost (TF_CONFIG, free ports), RING collectives, global batch 128.
 
@@ -96,6 +99,10 @@ PRECISIONS = ["float32", "mixed_float16"]
 MODES = ["single", "pair", "tfmpi", "mwms"]
 GROUPING_NAMES = ["graph", "one", "per-tensor"]
 MODEL_NAMES = ["lstm", "mlp", "cnn", "tiny"]  # = bench_models.MODELS; kept here so the driver need not import TF
+# Models with an IndexedSlices gradient (an Embedding's), for which tf_mpi can
+# densify it before an allreduce (the default here) or allgather it.
+SPARSE_GRADIENT_MODELS = ["lstm"]
+SPARSE_NAMES = ["dense", "allgather"]
 RESULT_PREFIX = "RESULT "
 
 
@@ -187,7 +194,11 @@ def setup_tfmpi(args, spec, tf, keras):
     import tf_mpi.keras as hvd
     hvd.init()
     model = spec.build()
+    # sparse_as_dense: Keras 3's Adam densifies an IndexedSlices gradient anyway, and
+    # densifying 64x100 rows on each rank before a 10 MiB allreduce is cheaper than
+    # densifying the 2x64x100 allgathered rows after it (docs/performance.md).
     optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(LEARNING_RATE),
+                                         sparse_as_dense=args.sparse == "dense",
                                          **grouping_options(args.grouping, model))
     compile_model(model, spec, optimizer)
     dataset = bench_models.synthetic_dataset(spec, BATCH_PER_PROCESS, seed=args.seed + hvd.rank())
@@ -199,7 +210,8 @@ def setup_tfmpi(args, spec, tf, keras):
 
     env_seen = {k: os.environ.get(k) for k in ("TF_MPI_FUSION_THRESHOLD", "TF_MPI_TIMELINE")}
     return Setup(model, dataset, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], processes=hvd.size(),
-                 reports=hvd.rank() == 0, extra={"grouping": args.grouping, "env": env_seen},
+                 reports=hvd.rank() == 0,
+                 extra={"grouping": args.grouping, "sparse": args.sparse, "env": env_seen},
                  after_fit=plan_facts)
 
 
@@ -321,15 +333,19 @@ def run_worker(args):
 
 @dataclass(frozen=True)
 class Variant:
-    """One launch configuration of a model: a mode and, for tfmpi, a grouping."""
+    """One launch configuration of a model: a mode and, for tfmpi, a grouping and how
+    sparse gradients travel (only models in SPARSE_GRADIENT_MODELS have any)."""
     mode: str
     grouping: str = None
     timeline: bool = False  # writes a tf_mpi timeline: for the overlap analysis, not for throughput
+    sparse: str = "dense"
 
     @property
     def label(self):
-        """'single', 'tfmpi graph', ..., 'mwms', 'tfmpi graph +timeline'."""
-        return (f"{self.mode} {self.grouping}" if self.grouping else self.mode) + (" +timeline" if self.timeline else "")
+        """'single', 'tfmpi graph', ..., 'mwms', 'tfmpi graph allgather', 'tfmpi graph +timeline'."""
+        words = [self.mode, self.grouping, None if self.sparse == "dense" else self.sparse,
+                 "+timeline" if self.timeline else None]
+        return " ".join(w for w in words if w)
 
 
 # Environment a tfmpi grouping's launch needs: per-tensor also turns off the
@@ -337,14 +353,18 @@ class Variant:
 GROUPING_ENV = {"graph": {}, "one": {}, "per-tensor": {"TF_MPI_FUSION_THRESHOLD": "0"}}
 
 
-def selected_variants(modes, groupings):
-    """The variants to run, baseline first (efficiencies need it)."""
+def selected_variants(modes, groupings, sparse, model):
+    """The variants to run for `model`, baseline first (efficiencies need it). Every
+    tfmpi grouping densifies sparse gradients; with `sparse` == "both", models that
+    have one also run `tfmpi graph allgather`."""
     variants = []
     for mode in MODES:
         if mode not in modes:
             continue
         if mode == "tfmpi":
             variants += [Variant("tfmpi", g) for g in GROUPING_NAMES if g in groupings]
+            if sparse == "both" and model in SPARSE_GRADIENT_MODELS:
+                variants.append(Variant("tfmpi", "graph", sparse="allgather"))
         else:
             variants.append(Variant(mode))
     return variants
@@ -361,6 +381,8 @@ def worker_args(variant, model, precision, args):
         argv += ["--grouping", variant.grouping]
     if args.no_mwms_workaround:
         argv.append("--no-mwms-workaround")
+    if variant.mode == "tfmpi":
+        argv += ["--sparse", variant.sparse]
     return argv
 
 
@@ -702,7 +724,8 @@ def plot_efficiency(report, path):
     import matplotlib.pyplot as plt
 
     results = report.get("summary") or report["results"]  # files from before --rounds have no summary
-    labels = [v.label for v in selected_variants(MODES, GROUPING_NAMES) if v.mode != "single"]
+    # Variants in the order they were run (round 1 is not rotated); timeline launches are not throughput.
+    labels = list(dict.fromkeys(e["label"] for e in results if e["mode"] != "single" and not e.get("timeline")))
     precisions = [p for p in PRECISIONS if any(e["precision"] == p for e in results)]
     models = [m for m in MODEL_NAMES if any(e["model"] == m for e in results)]
     fig, axes = plt.subplots(1, len(precisions), figsize=(4.5 + 2.5 * len(models), 4.5) if len(precisions) == 1
@@ -762,9 +785,8 @@ def run_driver(args):
     if args.quick:
         apply_quick(args)
     precisions = PRECISIONS if args.precision == "both" else [args.precision]
-    variants = selected_variants(args.modes, args.groupings)
     launches = [(r, p, m, v) for r in range(args.rounds) for p in precisions for m in args.models
-                for v in rotated(variants, r)]
+                for v in rotated(selected_variants(args.modes, args.groupings, args.sparse, m), r)]
     if args.timeline:
         # Writing the trace costs rank 0 time, so it is a launch of its own
         # (once per model), kept out of the throughput comparison.
@@ -808,6 +830,9 @@ def parse_args():
     sel.add_argument("--grouping", choices=GROUPING_NAMES, default="graph", help="worker, tfmpi: gradient grouping")
     sel.add_argument("--groupings", nargs="+", choices=GROUPING_NAMES, default=GROUPING_NAMES,
                      help="driver: the tfmpi groupings")
+    sel.add_argument("--sparse", choices=SPARSE_NAMES + ["both"], default="dense",
+                     help="tfmpi: how an Embedding's IndexedSlices gradient travels: densified and allreduced "
+                          "(sparse_as_dense=True) or allgathered; 'both' (driver): also `tfmpi graph allgather`")
     sel.add_argument("--precision", choices=PRECISIONS + ["both"], default="float32",
                      help="Keras dtype policy ('both': driver only)")
     timing = p.add_argument_group("timing")
@@ -834,6 +859,8 @@ def parse_args():
     args = p.parse_args()
     if sum([args.driver, args.mode is not None, bool(args.results)]) != 1:
         p.error("give exactly one of --driver, --mode or --results (with --plot and/or --markdown)")
+    if args.mode and args.sparse == "both":
+        p.error("--sparse both is a driver option; a worker takes dense or allgather")
     if args.results and not (args.plot or args.markdown):
         p.error("--results needs --plot and/or --markdown")
     if args.warmup < 1 or args.repeats < 1 or (args.steps is not None and args.steps < 1):

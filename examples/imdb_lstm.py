@@ -188,7 +188,11 @@ def build_model(args, steps_per_epoch, compression):
                                     warmup_epochs=args.warmup_epochs, max_lr=args.max_lr)
     # Averages gradients over ranks; under mixed_float16 it is also the
     # LossScaleOptimizer (the ranks reduce before checking for inf/nan).
-    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(schedule), compression=compression)
+    # sparse_as_dense: Adam densifies the Embedding's gradient anyway, and the
+    # rows of all ranks together (N x batch x maxlen) outnumber the table's, so
+    # each rank densifies its own rows and allreduces rather than allgathering.
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(schedule), compression=compression,
+                                   sparse_as_dense=True)
     # jit_compile=False: tf_mpi's collectives cannot run inside XLA.
     model.compile(optimizer=opt, loss="binary_crossentropy", metrics=["accuracy"], jit_compile=False)
     return model

@@ -135,7 +135,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       optimizer: any Keras 3 optimizer (SGD, Adam, AdamW, RMSprop, ...) or a LossScaleOptimizer.
       name: prefix of the collectives' names; default "Distributed<Class>".
       compression: Compression.none or Compression.fp16 (gradients on the wire).
-      sparse_as_dense: densify IndexedSlices gradients (e.g. of Embedding) instead of allgathering them.
+      sparse_as_dense: densify IndexedSlices gradients (e.g. of Embedding) and allreduce them, instead
+        of allgathering their rows. Worth it when the optimizer densifies the gradient anyway (Keras 3's
+        Adam, AdamW, RMSprop and SGD with momentum do) and the rows of all ranks together are a sizeable
+        part of the table: each rank then densifies its own rows instead of everyone's. The LSTM
+        benchmark (20000x128 table, 6400 rows per rank) trains 7-13 % faster with it on 2 ranks.
       backward_passes_per_step: reduce and apply once every this many steps, accumulating in between.
       average_aggregated_gradients: with backward_passes_per_step > 1, average instead of sum the passes.
       op: Average (default) or Sum.

@@ -19,8 +19,22 @@ def test_small_tensors_ride_with_the_next_large_one_and_large_groups_go_early():
     assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, 4 * MIB) == [[0, 1, 2, 3], [4, 5]]
 
 
-def test_the_byte_bound_still_cuts_and_a_big_tensor_stands_alone():
-    assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, MIB) == [[0, 1, 2], [3], [4], [5]]
+def test_the_byte_bound_still_cuts_and_a_big_tensor_takes_the_small_ones_before_it():
+    # d2/kernel (exactly 1 MiB) does not fit beside the 22 kB before it: cut. d1/kernel
+    # (1.6 MB) is over the bound anyway, so d1/bias (2 kB) rides with it rather than
+    # being a message of its own.
+    assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, MIB) == [[0, 1, 2], [3], [4, 5]]
+
+
+def test_a_bandwidth_bound_group_is_not_merged_into_a_big_tensor():
+    sizes = [300_000, 2 * MIB]  # the first is already worth a message of its own
+    assert _cut_when_bandwidth_bound(range(2), sizes, MODEL, MIB) == [[0], [1]]
+
+
+def test_lstm_bias_before_the_embedding_is_not_a_group_of_its_own():
+    # Backprop order of the LSTM benchmark with sparse_as_dense: ..., lstm/bias, embedding (10 MB).
+    sizes = [524_804, 526_336, 2048, 10_240_000]
+    assert _cut_when_bandwidth_bound(range(4), sizes, MODEL, 4 * MIB) == [[0], [1], [2, 3]]
 
 
 def test_latency_bound_model_is_one_group():

@@ -163,7 +163,8 @@ def check_grouping_plan_follows_backprop_and_byte_bound():
     names = [n for g in plan.groups for n in g.names]
     assert plan.groups[0].names[0].startswith("out/"), plan.describe()  # last layer's gradient is produced first
     assert names.index("out/kernel") < names.index("d2/kernel") < names.index("d0/kernel"), plan.describe()
-    # A tight byte bound cuts the plan into several groups, none above it unless a single tensor is.
+    # A tight byte bound cuts the plan into several groups, none above it unless one of its tensors is
+    # (such a tensor takes the latency-bound ones just before it along).
     variables = model.trainable_variables
 
     @tf.function
@@ -178,8 +179,9 @@ def check_grouping_plan_follows_backprop_and_byte_bound():
     planned()
     p = planned.plan
     assert len(p.groups) >= 3, p.describe()
+    nbytes = [int(np.prod(v.shape)) * 4 for v in variables]
     for g in p.groups:
-        assert g.nbytes <= 2048 or len(g.indices) == 1, p.describe()
+        assert g.nbytes <= 2048 or max(nbytes[i] for i in g.indices) > 2048, p.describe()
     assert sorted(i for g in p.groups for i in g.indices) == list(range(len(variables)))
     fingerprints = _core.allgather(np.frombuffer(bytes.fromhex(p.fingerprint), np.uint8)[None, :].copy(), "plan.fp")
     assert all(np.array_equal(fingerprints[0], f) for f in fingerprints)

@@ -4,7 +4,17 @@
 #include <climits>
 #include <stdexcept>
 
+#include "wait_policy.h"
+
 namespace tfmpi {
+
+namespace {
+int64_t RowsBytes(const std::vector<int64_t>& rows, int64_t row_bytes) {
+  int64_t n = 0;
+  for (int64_t r : rows) n += r;
+  return n * row_bytes;
+}
+}  // namespace
 
 void Collectives::Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) const {
   const int64_t elem = DataTypeSize(dtype);
@@ -12,6 +22,7 @@ void Collectives::Allreduce(const void* in, void* out, int64_t count, DataType d
   const MPI_Datatype type = mpi_->Type(dtype);
   const MPI_Op mpi_op = mpi_->Op(op, dtype);
   const bool in_place = in == nullptr || in == out;
+  YieldWhileWaiting wait(count * elem, yield_bytes_);
   char* o = static_cast<char*>(out);
   const char* i = static_cast<const char*>(in);
   for (int64_t done = 0; done < count; done += per_call) {
@@ -33,6 +44,7 @@ void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t
   const int n = static_cast<int>(rows_per_rank.size());
   std::vector<int> counts(n), displs(n);
   int64_t offset = 0;
+  YieldWhileWaiting wait(RowsBytes(rows_per_rank, row_bytes), yield_bytes_);
   for (int r = 0; r < n; ++r) {
     if (rows_per_rank[r] > INT_MAX || offset > INT_MAX)
       throw std::runtime_error("tf_mpi: allgather of more than 2^31 rows is not supported");
@@ -71,6 +83,7 @@ void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>
   MPI_Type_commit(&row);
   std::vector<int> sc = ToInts(send_rows, "alltoall"), rc = ToInts(recv_rows, "alltoall");
   std::vector<int> sd = ToInts(Offsets(send_rows), "alltoall"), rd = ToInts(Offsets(recv_rows), "alltoall");
+  YieldWhileWaiting wait(RowsBytes(send_rows, row_bytes) + RowsBytes(recv_rows, row_bytes), yield_bytes_);
   MPI_Alltoallv(in, sc.data(), sd.data(), row, out, rc.data(), rd.data(), row, mpi_->comm());
   MPI_Type_free(&row);
 }
@@ -78,11 +91,13 @@ void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>
 void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& recv_counts,
                                 DataType dtype, ReduceOp op) const {
   std::vector<int> counts = ToInts(recv_counts, "reducescatter");
+  YieldWhileWaiting wait(RowsBytes(recv_counts, DataTypeSize(dtype)), yield_bytes_);
   MPI_Reduce_scatter(in, out, counts.data(), mpi_->Type(dtype), mpi_->Op(op, dtype), mpi_->comm());
 }
 
 void Collectives::Broadcast(void* buf, int64_t bytes, int root) const {
   char* p = static_cast<char*>(buf);
+  YieldWhileWaiting wait(bytes, yield_bytes_);
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_, INT_MAX));
   for (int64_t done = 0; done < bytes; done += per_call) {
     const int n = static_cast<int>(std::min(per_call, bytes - done));

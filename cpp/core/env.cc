@@ -45,6 +45,7 @@ EngineConfig EngineConfig::FromEnv() {
   c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
   c.inline_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_BYTES", 64 << 10));
   c.inline_wait_us = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_WAIT_US", 100));
+  c.yield_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_YIELD_BYTES", 0));
   return c;
 }
 
@@ -52,7 +53,7 @@ std::string EngineConfig::ToString() const {
   std::ostringstream os;
   os << tunables.ToString() << " autotune=" << autotune << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
-     << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us;
+     << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us << " yield_bytes=" << yield_bytes;
   return os.str();
 }
 

@@ -29,7 +29,7 @@ struct ExecutorStats {
 class Executor {
  public:
   Executor(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats, Timeline* timeline)
-      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes), tunables_(config.tunables),
+      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes, config.yield_bytes), tunables_(config.tunables),
         stats_(stats), timeline_(timeline) {}
 
   // Executes `decisions`; requests they name are completed and removed from

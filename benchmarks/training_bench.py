@@ -206,7 +206,8 @@ def setup_tfmpi(args, spec, tf, keras):
     def plan_facts():
         plan = optimizer.grouping_plan
         return {"groups": len(plan.groups) if plan else None,
-                "grouping_source": plan.source if plan else None}
+                "grouping_source": plan.source if plan else None,
+                "group_bytes": [g.nbytes for g in plan.groups] if plan else None}
 
     env_seen = {k: os.environ.get(k) for k in ("TF_MPI_FUSION_THRESHOLD", "TF_MPI_TIMELINE")}
     return Setup(model, dataset, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], processes=hvd.size(),

@@ -1,6 +1,6 @@
 """The grouping plan's cut rule on known sizes (single process; the plan on a
 real model and its agreement across ranks are checked in keras_worker.py)."""
-from tf_mpi.grouping import MIN_GROUP_COST_FACTOR, CostModel, _cut_when_bandwidth_bound
+from tf_mpi.grouping import MIN_GROUP_COST_FACTOR, CostModel, _cut_when_bandwidth_bound, layer_of
 
 # alpha 50 us, beta 1 ns/B: break-even 50 kB, so a group is bandwidth-bound from 200 kB.
 MODEL = CostModel(alpha=50e-6, beta=1e-9)
@@ -51,3 +51,33 @@ def test_order_is_kept_and_every_tensor_is_in_exactly_one_group():
     order = [5, 3, 1, 0, 2, 4]
     groups = _cut_when_bandwidth_bound(order, MLP, MODEL, 4 * MIB)
     assert [i for g in groups for i in g] == order
+
+
+# The LSTM benchmark in backprop order, as make_plan sees it (sparse_as_dense).
+LSTM_NAMES = ["dense/bias", "dense/kernel", "lstm_1/lstm_cell/kernel", "lstm_1/lstm_cell/recurrent_kernel",
+              "lstm_1/lstm_cell/bias", "lstm/lstm_cell/kernel", "lstm/lstm_cell/recurrent_kernel",
+              "lstm/lstm_cell/bias", "embedding/embeddings"]
+LSTM = [4, 512, 262144, 262144, 2048, 262144, 262144, 2048, 10_240_000]
+
+
+def test_layer_of_drops_the_last_path_part():
+    assert layer_of("sequential/lstm_1/lstm_cell/kernel") == "sequential/lstm_1/lstm_cell"
+    assert layer_of("dense/kernel:0") == "dense"
+    assert layer_of("scale") == "scale"
+
+
+def test_a_layer_is_not_cut_where_its_gradients_come_out_together():
+    # Bandwidth-bound from 200 kB: tensor by tensor, each 256 KiB LSTM kernel would be a
+    # message of its own (5 groups), although both kernels of a layer are ready at once.
+    layers = [layer_of(n) for n in LSTM_NAMES]
+    assert len(_cut_when_bandwidth_bound(range(9), LSTM, MODEL, 4 * MIB)) == 5
+    assert _cut_when_bandwidth_bound(range(9), LSTM, MODEL, 4 * MIB, layers) == [[0, 1, 2, 3, 4], [5, 6, 7], [8]]
+
+
+def test_the_layer_plan_does_not_depend_on_probe_noise():
+    # The start-up probes put "bandwidth-bound" anywhere between ~190 and ~390 kB on this
+    # machine; with layers as the unit, the LSTM's plan is the same across that range.
+    layers = [layer_of(n) for n in LSTM_NAMES]
+    plans = {repr(_cut_when_bandwidth_bound(range(9), LSTM, CostModel(alpha=a * 1e-6, beta=1e-9), 4 * MIB, layers))
+             for a in (48, 60, 80, 97)}
+    assert len(plans) == 1

@@ -13,7 +13,12 @@ still computes the rest (wait-free backpropagation). The plan:
    bandwidth-bound, i.e. its transfer time ``beta * bytes`` is at least
    ``MIN_GROUP_COST_FACTOR`` (4) times the per-message latency ``alpha`` (so
    start-up is at most a fifth of its cost): merging more into it would save
-   little, while sending it now lets it overlap the rest of backprop.
+   little, while sending it now lets it overlap the rest of backprop. Such a
+   cut waits for the end of a layer: one layer's backward op produces all its
+   gradients at about the same time (an LSTM's kernel and recurrent kernel
+   both come out of one loop over time), so a cut inside it would add a
+   message without adding overlap. Layers are read from variable paths
+   (``"lstm_1/lstm_cell/kernel"`` belongs to ``"lstm_1/lstm_cell"``).
    Latency-bound tensors (small biases, small layers) are merged into the
    next ones instead. No group grows beyond ``threshold_bytes`` (default
    ``TF_MPI_GROUP_BYTES`` = 4 MiB) unless a single tensor is larger; such a
@@ -59,7 +64,7 @@ class CostModel:
 _cost_model = None
 
 
-def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=7):
+def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=11):
     """Measures alpha and beta with probe allreduces (collective: call on every rank).
 
     The fastest of `repeats` probes per size is used: on a shared machine the
@@ -144,27 +149,40 @@ def production_order(grads):
     return list(reversed(range(len(grads))))
 
 
+def layer_of(variable_name):
+    """The layer a variable belongs to: its path without the last part.
+
+    Example: ``layer_of("sequential/lstm_1/lstm_cell/kernel")`` is
+    ``"sequential/lstm_1/lstm_cell"``; a name without "/" is its own layer.
+    """
+    name = variable_name.split(":")[0]
+    return name.rsplit("/", 1)[0] if "/" in name else name
+
+
 # A group is closed once its transfer time is this many times the message
 # latency alpha (start-up at most 1/5 of its cost). Lower: more, earlier
 # messages (more overlap, more start-ups); higher: fewer, later ones.
 MIN_GROUP_COST_FACTOR = 4
 
 
-def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold):
+def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold, layers=None):
     """Contiguous groups in backprop order: each closes once it is
-    bandwidth-bound (see MIN_GROUP_COST_FACTOR) or before it would exceed
-    `threshold` bytes, except that a latency-bound group joins a following
-    tensor that alone exceeds `threshold`."""
+    bandwidth-bound (see MIN_GROUP_COST_FACTOR) at the end of a layer
+    (`layers[i]`: tensor i's layer; None: every tensor is a layer), or before
+    it would exceed `threshold` bytes, except that a latency-bound group joins
+    a following tensor that alone exceeds `threshold`."""
     enough = MIN_GROUP_COST_FACTOR * cost_model.break_even_bytes
+    order = list(order)
     groups, current, current_bytes = [], [], 0
-    for i in order:
+    for k, i in enumerate(order):
         rides_along = sizes[i] > threshold and current_bytes < enough
         if current and current_bytes + sizes[i] > threshold and not rides_along:
             groups.append(current)
             current, current_bytes = [], 0
         current.append(i)
         current_bytes += sizes[i]
-        if current_bytes >= enough:
+        layer_ends = layers is None or k + 1 == len(order) or layers[order[k + 1]] != layers[i]
+        if current_bytes >= enough and layer_ends:
             groups.append(current)
             current, current_bytes = [], 0
     if current:
@@ -199,6 +217,7 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
     """
     sizes = [_nbytes(g, v) for g, v in zip(grads, variables)]
     names = [getattr(v, "path", None) or getattr(v, "name", str(i)) for i, v in enumerate(variables)]
+    layers = [layer_of(name) for name in names]
     order = production_order(grads)
     model = None
     if groups:
@@ -214,8 +233,8 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
     else:
         threshold = int(threshold_bytes or os.environ.get("TF_MPI_GROUP_BYTES", DEFAULT_GROUP_BYTES))
         model = cost_model or measure_cost_model()
-        index_groups = _cut_when_bandwidth_bound(order, sizes, model, threshold)
-        source = "backprop order, cut when bandwidth-bound (alpha-beta), byte bound"
+        index_groups = _cut_when_bandwidth_bound(order, sizes, model, threshold, layers)
+        source = "backprop order, cut at layer ends when bandwidth-bound (alpha-beta), byte bound"
     plan = Plan([Group(g, [names[i] for i in g], sum(sizes[i] for i in g)) for g in index_groups],
                 order, source, threshold, model)
     signature = repr([(g.names, g.nbytes) for g in plan.groups]).encode()

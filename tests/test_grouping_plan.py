@@ -81,3 +81,13 @@ def test_the_layer_plan_does_not_depend_on_probe_noise():
     plans = {repr(_cut_when_bandwidth_bound(range(9), LSTM, CostModel(alpha=a * 1e-6, beta=1e-9), 4 * MIB, layers))
              for a in (48, 60, 80, 97)}
     assert len(plans) == 1
+
+
+def test_a_latency_bound_remainder_at_the_end_joins_the_group_before_it():
+    # The CNN benchmark's last layers (the first conv and its batch norm) came after a cut:
+    # an 11 kB message of its own at the very end of backprop, with nothing left to overlap.
+    sizes = [150_000, 150_968, 9216, 1728, 256]
+    assert _cut_when_bandwidth_bound(range(5), sizes, MODEL, 4 * MIB) == [[0, 1, 2, 3, 4]]
+    # A bandwidth-bound last group stays on its own, and so does a remainder the byte bound keeps out.
+    assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, 4 * MIB) == [[0, 1, 2, 3], [4, 5]]
+    assert _cut_when_bandwidth_bound(range(2), [900_000, 9216], MODEL, 900_000) == [[0], [1]]

@@ -24,7 +24,9 @@ still computes the rest (wait-free backpropagation). The plan:
    ``TF_MPI_GROUP_BYTES`` = 4 MiB) unless a single tensor is larger; such a
    tensor also takes the latency-bound tensors just before it, which would
    otherwise be a message of their own that costs a start-up and overlaps
-   nothing (e.g. an LSTM's 2 KiB bias before a 10 MiB embedding).
+   nothing (e.g. an LSTM's 2 KiB bias before a 10 MiB embedding). For the
+   same reason a latency-bound remainder at the end of backprop joins the
+   group before it.
    ``alpha`` and ``beta`` are measured once with probe allreduces and rank
    0's values are used everywhere, so every rank derives the same plan.
 
@@ -169,8 +171,10 @@ def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold, layers=None):
     """Contiguous groups in backprop order: each closes once it is
     bandwidth-bound (see MIN_GROUP_COST_FACTOR) at the end of a layer
     (`layers[i]`: tensor i's layer; None: every tensor is a layer), or before
-    it would exceed `threshold` bytes, except that a latency-bound group joins
-    a following tensor that alone exceeds `threshold`."""
+    it would exceed `threshold` bytes. A latency-bound group is never sent on
+    its own when it can join a neighbour: it joins a following tensor that
+    alone exceeds `threshold`, and a latency-bound remainder at the end joins
+    the group before it."""
     enough = MIN_GROUP_COST_FACTOR * cost_model.break_even_bytes
     order = list(order)
     groups, current, current_bytes = [], [], 0
@@ -186,7 +190,13 @@ def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold, layers=None):
             groups.append(current)
             current, current_bytes = [], 0
     if current:
-        groups.append(current)
+        # Backprop has ended when the last group is ready: a latency-bound remainder
+        # overlaps nothing and would be one more start-up on the critical path.
+        last_alone_is_worth_it = current_bytes >= enough
+        if groups and not last_alone_is_worth_it and sum(sizes[i] for i in groups[-1]) + current_bytes <= threshold:
+            groups[-1].extend(current)
+        else:
+            groups.append(current)
     return groups
 
 

@@ -8,6 +8,7 @@
 #include "executor.h"
 #include "logging.h"
 #include "response_cache.h"
+#include "wait_policy.h"
 #include "wire.h"
 
 namespace tfmpi {
@@ -122,6 +123,8 @@ Status Engine::Init(const InitOptions& opts) {
     std::lock_guard<std::mutex> lock(mu_);
     stop_requested_ = false;
   }
+  if (config_.yield_bytes > 0 && !YieldWhileWaiting::Supported())
+    LogWarning("TF_MPI_YIELD_BYTES is set, but this MPI has no yield-when-idle switch (Open MPI has); it is ignored");
   protocol_ = std::make_unique<Protocol>(&mpi_, config_, &stats_, &timeline_);
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {

@@ -190,10 +190,10 @@ def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold, layers=None):
             groups.append(current)
             current, current_bytes = [], 0
     if current:
-        # Backprop has ended when the last group is ready: a latency-bound remainder
-        # overlaps nothing and would be one more start-up on the critical path.
-        last_alone_is_worth_it = current_bytes >= enough
-        if groups and not last_alone_is_worth_it and sum(sizes[i] for i in groups[-1]) + current_bytes <= threshold:
+        # A remainder is latency-bound (a bandwidth-bound one was closed above). Backprop
+        # has ended when it is ready, so it overlaps nothing and would be one more
+        # start-up on the critical path.
+        if groups and sum(sizes[i] for i in groups[-1]) + current_bytes <= threshold:
             groups[-1].extend(current)
         else:
             groups.append(current)

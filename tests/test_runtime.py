@@ -50,6 +50,22 @@ def test_autotune_switches_settings_on_every_rank_at_once():
     # Rank 0 logs every candidate's step time and its choice.
     assert "[tf_mpi rank 0] INFO: autotune finished" in run.output, run.describe()
     assert run.output.count(": median step ") >= 12 and "chosen: fusion_threshold=" in run.output, run.describe()
+    # Each step's second allreduce is submitted only after the first returned
+    # (eager), so holding the first back for the second cannot work: the
+    # holdback gives up after its time limit instead of hanging.
+    assert "held-back allreduce waited longer than the step-time limit" in run.output, run.describe()
+    assert "groups: not tuned (a held allreduce waited too long" in run.output, run.describe()
+
+
+def test_autotuned_plan_holds_allreduces_back_and_results_stay_exact():
+    run = launch("merge", env={"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"})
+    clean(run)
+    assert_check(run, 2, "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
+    assert "[tf_mpi rank 0] INFO: autotune finished" in run.output, run.describe()
+    # Three allreduces per step: 4 ways to merge neighbours, each timed, then the choice.
+    timed = [line for line in run.output.splitlines() if line.startswith("  groups ") and ": median step " in line]
+    assert len(timed) == 4 and "chosen: " in run.output, run.describe()
+    assert "waited longer" not in run.output and "not tuned" not in run.output, run.describe()
 
 
 def test_uncaught_exception_aborts_the_job():

@@ -6,6 +6,7 @@
 #include "autotune.h"
 #include "coordinator.h"
 #include "executor.h"
+#include "holdback.h"
 #include "logging.h"
 #include "response_cache.h"
 #include "wait_policy.h"
@@ -83,12 +84,15 @@ struct Engine::Protocol {
       : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, stats, timeline) {
     if (mpi->rank() == 0)
       coord = std::make_unique<Coordinator>(mpi->size(), &cache, config.stall_check_s, config.stall_shutdown_s, timeline);
-    if (mpi->rank() == 0 && config.autotune) tuner = std::make_unique<Autotuner>(config.tunables, config.autotune_steps);
+    if (mpi->rank() == 0 && config.autotune != AutotuneScope::kOff)
+      tuner = std::make_unique<Autotuner>(config.tunables, config.autotune_steps, config.autotune);
   }
   ResponseCache cache;
   std::unique_ptr<Coordinator> coord;  // rank 0 only
   Executor executor;
-  std::unique_ptr<Autotuner> tuner;    // rank 0 with TF_MPI_AUTOTUNE=1
+  std::unique_ptr<Autotuner> tuner;    // rank 0 with TF_MPI_AUTOTUNE set
+  Holdback holdback;                   // rank 0: runs set by the tuner
+  bool holdback_gave_up_reported = false;
   InFlight in_flight;
   Outbox outbox;
   bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving
@@ -270,22 +274,46 @@ void Engine::Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& f
   if (wake) cv_.notify_one();
 }
 
-void Engine::Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono::steady_clock::time_point now,
-                      std::vector<Decision>* decisions) {
-  std::optional<Tunables> change;
-  for (const Decision& d : *decisions) {
-    const std::string* name = d.kind == Decision::Kind::kExecute         ? &d.response.meta.name
-                              : d.kind == Decision::Kind::kExecuteCached ? &cache.Get(d.cache_id).meta.name
-                                                                         : nullptr;
-    if (name)
-      if (auto t = tuner->Observe(*name, now)) change = t;
+std::vector<Decision> Engine::HoldBack(Protocol& p, std::vector<Decision> decided, Clock::time_point now) {
+  std::vector<Decision> out = p.holdback.Admit(std::move(decided), p.cache, now);
+  for (Decision& d : p.holdback.Release(now, p.stop_announced)) out.push_back(std::move(d));
+  stats_.held_back.store(p.holdback.total_held());
+  if (p.holdback.gave_up() && !p.holdback_gave_up_reported) {
+    p.holdback_gave_up_reported = true;
+    LogWarning("autotune: a held-back allreduce waited longer than the step-time limit for the rest of its group;"
+               " every allreduce is sent as soon as it is ready from now on");
   }
+  return out;
+}
+
+void Engine::Autotune(Protocol& p, Clock::time_point now, std::vector<Decision>* decisions) {
+  Autotuner& tuner = *p.tuner;
+  auto observe = [&](const std::vector<Decision>& batch, size_t from) {
+    std::optional<TuneSetting> change;
+    for (size_t i = from; i < batch.size(); ++i) {
+      const Decision& d = batch[i];
+      const std::string* name = d.kind == Decision::Kind::kExecute         ? &d.response.meta.name
+                                : d.kind == Decision::Kind::kExecuteCached ? &p.cache.Get(d.cache_id).meta.name
+                                                                           : nullptr;
+      if (name)
+        if (auto s = tuner.Observe(*name, Holdback::MayHold(d, p.cache) != nullptr, now)) change = s;
+    }
+    return change;
+  };
+  std::optional<TuneSetting> change = p.holdback.gave_up() ? tuner.HoldingFailed() : std::nullopt;
+  if (auto s = observe(*decisions, 0)) change = s;
   if (!change) return;
+  // New runs replace the old ones: what the old ones hold goes now (and is
+  // shown to the tuner, so its counts of each name stay right).
+  const size_t released_from = decisions->size();
+  for (Decision& d : p.holdback.Release(now, true)) decisions->push_back(std::move(d));
+  observe(*decisions, released_from);
+  p.holdback.SetRuns(change->runs, tuner.hold_limit(), tuner.DecidedThisStep());
   Decision settings;
   settings.kind = Decision::Kind::kSettings;
-  settings.tunables = *change;
+  settings.tunables = change->tunables;
   decisions->push_back(settings);
-  if (tuner->finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE=1), median step time per setting:" + tuner->Report());
+  if (tuner.finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE), median step time per setting:" + tuner.Report());
 }
 
 void Engine::RunBatch(Protocol& p, const std::vector<Decision>& decisions) {
@@ -379,8 +407,8 @@ bool Engine::Step(Protocol& p) {
       p.coord->CheckStalls(now);
       p.last_stall_check = now;
     }
-    std::vector<Decision> decisions = p.coord->TakeDecisions();
-    if (p.tuner && !p.tuner->finished()) Autotune(p.tuner.get(), p.cache, now, &decisions);
+    std::vector<Decision> decisions = HoldBack(p, p.coord->TakeDecisions(), now);
+    if (p.tuner && !p.tuner->finished()) Autotune(p, now, &decisions);
     if (p.stop_announced) decisions.push_back({Decision::Kind::kCoordinatorGone, 0, {}, -1});
     if (!decisions.empty()) {
       progressed = true;

@@ -75,9 +75,10 @@ class Engine {
   // Runs Step() on the calling thread until `finished` or config().inline_wait_us
   // pass without progress, then hands what is left to the background thread.
   void Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& finished);
-  // Rank 0: shows the tuner this batch's collectives and appends its new settings, if any.
-  void Autotune(Autotuner* tuner, const ResponseCache& cache, std::chrono::steady_clock::time_point now,
-                std::vector<Decision>* decisions);
+  // Rank 0: the holdback's verdict on the decisions just made, plus what it releases now.
+  std::vector<Decision> HoldBack(Protocol& p, std::vector<Decision> decided, std::chrono::steady_clock::time_point now);
+  // Rank 0: shows the tuner this batch's collectives and applies its new setting, if any.
+  void Autotune(Protocol& p, std::chrono::steady_clock::time_point now, std::vector<Decision>* decisions);
   Status Validate(const Request& r) const;
 
   MpiContext mpi_;

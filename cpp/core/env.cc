@@ -36,7 +36,12 @@ EngineConfig EngineConfig::FromEnv() {
   c.tunables.direct_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_FUSION_DIRECT_BYTES", defaults.direct_bytes));
   c.tunables.chunk_bytes = EnvInt("TF_MPI_CHUNK_BYTES", defaults.chunk_bytes);
   if (c.tunables.chunk_bytes <= 0) c.tunables.chunk_bytes = defaults.chunk_bytes;
-  c.autotune = EnvInt("TF_MPI_AUTOTUNE", 0) != 0;
+  const char* tune = std::getenv("TF_MPI_AUTOTUNE");
+  const std::string scope = tune ? tune : "";
+  if (scope.empty() || scope == "0") c.autotune = AutotuneScope::kOff;
+  else if (scope == "1") c.autotune = AutotuneScope::kAll;
+  else if (scope == "plan") c.autotune = AutotuneScope::kPlan;
+  else throw std::invalid_argument("tf_mpi: TF_MPI_AUTOTUNE=" + scope + " is not 0, 1 or plan");
   c.autotune_steps = std::max<int64_t>(1, EnvInt("TF_MPI_AUTOTUNE_STEPS", 10));
   c.cache_capacity = EnvInt("TF_MPI_CACHE_CAPACITY", 4096);
   c.stall_check_s = EnvDouble("TF_MPI_STALL_CHECK_TIME_SECONDS", 60.0);
@@ -51,7 +56,8 @@ EngineConfig EngineConfig::FromEnv() {
 
 std::string EngineConfig::ToString() const {
   std::ostringstream os;
-  os << tunables.ToString() << " autotune=" << autotune << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
+  os << tunables.ToString() << " autotune="
+     << (autotune == AutotuneScope::kAll ? "1" : autotune == AutotuneScope::kPlan ? "plan" : "0") << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us << " yield_bytes=" << yield_bytes;
   return os.str();

@@ -8,12 +8,16 @@
 
 namespace tfmpi {
 
+// TF_MPI_AUTOTUNE: 0 (off), plan (which gradient groups rank 0 sends
+// together), 1 (the plan, then the fusion and MPI sizes).
+enum class AutotuneScope { kOff, kPlan, kAll };
+
 int64_t EnvInt(const char* name, int64_t fallback);
 double EnvDouble(const char* name, double fallback);
 
 struct EngineConfig {
   Tunables tunables;               // the starting values (see tunables.h)
-  bool autotune;                   // TF_MPI_AUTOTUNE=1: rank 0 tunes `tunables` during the first steps
+  AutotuneScope autotune;          // TF_MPI_AUTOTUNE: what rank 0 tunes during the first steps
   int64_t autotune_steps;          // TF_MPI_AUTOTUNE_STEPS: timed steps per candidate
   int64_t cache_capacity;          // TF_MPI_CACHE_CAPACITY; 0 disables the response cache
   double stall_check_s;            // TF_MPI_STALL_CHECK_TIME_SECONDS; 0 disables warnings

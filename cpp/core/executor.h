@@ -21,9 +21,10 @@ namespace tfmpi {
 using InFlight = std::unordered_map<std::string, std::unique_ptr<Request>>;
 
 // Counters since process start, read from other threads: requests completed,
-// requests failed, and allreduce buckets (one fused buffer or direct tensor each).
+// requests failed, allreduce buckets (one fused buffer or direct tensor each)
+// and, on rank 0, allreduces held back to go with later ones (holdback.h).
 struct ExecutorStats {
-  std::atomic<int64_t> requests{0}, errors{0}, allreduce_buckets{0};
+  std::atomic<int64_t> requests{0}, errors{0}, allreduce_buckets{0}, held_back{0};
 };
 
 class Executor {

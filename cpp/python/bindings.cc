@@ -144,8 +144,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("stats", [] {
     const ExecutorStats& s = E().stats();
     return py::dict(py::arg("requests") = s.requests.load(), py::arg("errors") = s.errors.load(),
-                    py::arg("allreduce_buckets") = s.allreduce_buckets.load());
-  }, "Counters since process start: completed requests, failed requests, allreduce buckets executed.");
+                    py::arg("allreduce_buckets") = s.allreduce_buckets.load(), py::arg("held_back") = s.held_back.load());
+  }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
+     "and (rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE).");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("op"), py::arg("name"),
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
   m.def("join", [] {

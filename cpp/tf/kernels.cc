@@ -50,6 +50,14 @@ class CollectiveOp : public AsyncOpKernel {
     if (type == tfmpi::CollectiveType::kBroadcast) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
   }
 
+  // Submitting is cheap (the engine thread does the work), so TensorFlow may
+  // run this kernel inline on the thread that made its input ready instead of
+  // queueing it to the inter-op pool behind compute kernels: a gradient group
+  // should reach the engine as soon as its gradients exist. (With one inter-op
+  // thread the gradients themselves can still wait in that queue; see
+  // docs/performance.md, "When does a gradient group reach the engine?".)
+  bool IsExpensive() override { return false; }
+
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     auto req = std::make_unique<tfmpi::Request>();
     req->meta.name = tensor_name_;

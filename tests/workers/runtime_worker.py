@@ -130,6 +130,37 @@ elif SCENARIO == "autotune":
             print("autotune settings:", final[0], flush=True)
 
 
+elif SCENARIO == "merge":
+    # Run with TF_MPI_AUTOTUNE=plan TF_MPI_AUTOTUNE_STEPS=2: rank 0 tries
+    # holding some of a step's allreduces back to send them with later ones.
+    import numpy as np
+    from tf_mpi import _core
+    from tf_mpi.functions import allgather_object
+
+    @tf.function
+    def merge_step(step):
+        # Three independent gradient-like groups, all in flight together: a
+        # held one never keeps another from being submitted.
+        base = tf.cast(step, tf.float32) + float(hvd.rank() + 1)
+        groups = [[tf.fill((64, 33), base), tf.fill((5,), 2 * base)], [tf.fill((300, 41), 3 * base)],
+                  [tf.fill((7, 7), 4 * base), tf.fill((2,), 5 * base)]]
+        return [hvd.grouped_allreduce(g, op=hvd.Sum, name=f"merge.group{k}") for k, g in enumerate(groups)]
+
+    def check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan():
+        n = hvd.size()
+        for step in range(60):
+            out = merge_step(tf.constant(step))
+            want = sum(step + r + 1 for r in range(n))
+            factors = [[1, 2], [3], [4, 5]]
+            for group, fs in zip(out, factors):
+                for y, f in zip(group, fs):
+                    assert np.all(y.numpy() == f * want), (step, f, y.numpy().ravel()[:3])
+        if hvd.rank() == 0:
+            # The merge candidates really held allreduces back (each one of
+            # them holds at least one allreduce per timed step).
+            assert _core.stats()["held_back"] > 0, _core.stats()
+        assert len(set(allgather_object(_core.config()))) == 1
+
 if __name__ == "__main__":
     if SCENARIO == "abort":
         if hvd.rank() == 1:

@@ -1,0 +1,104 @@
+#include "holdback.h"
+
+#include <algorithm>
+
+namespace tfmpi {
+
+void Holdback::SetRuns(const Runs& runs, Clock::duration limit,
+                       const std::unordered_set<std::string>& decided_this_step) {
+  run_of_.clear();
+  runs_.clear();
+  held_count_ = 0;
+  limit_ = limit;
+  if (gave_up_) return;
+  for (const auto& names : runs) {
+    if (names.size() < 2) continue;  // a run of one never waits for anything
+    const int id = static_cast<int>(runs_.size());
+    Run run{names.size(), {}, {}, {}};
+    bool started = false;
+    for (const std::string& name : names) started = started || decided_this_step.count(name);
+    for (const std::string& name : names) {
+      run_of_[name] = id;
+      if (started && !decided_this_step.count(name)) run.pass_once.insert(name);
+    }
+    runs_.push_back(std::move(run));
+  }
+}
+
+const Response* Holdback::MayHold(const Decision& d, const ResponseCache& cache) {
+  const Response* r = d.kind == Decision::Kind::kExecute         ? &d.response
+                      : d.kind == Decision::Kind::kExecuteCached ? &cache.Get(d.cache_id)
+                                                                 : nullptr;
+  return r && r->meta.type == CollectiveType::kAllreduce && r->joined.empty() ? r : nullptr;
+}
+
+int Holdback::RunOf(const Decision& d, const ResponseCache& cache) const {
+  if (run_of_.empty()) return -1;
+  const Response* r = MayHold(d, cache);
+  if (!r) return -1;
+  auto it = run_of_.find(r->meta.name);
+  return it == run_of_.end() ? -1 : it->second;
+}
+
+void Holdback::Flush(Run& run, std::vector<Decision>* out) {
+  held_count_ -= run.held.size();
+  for (Decision& d : run.held) out->push_back(std::move(d));
+  run.held.clear();
+}
+
+std::vector<Decision> Holdback::Admit(std::vector<Decision> decided, const ResponseCache& cache,
+                                      Clock::time_point now) {
+  if (run_of_.empty() && held_count_ == 0) return decided;
+  std::vector<Decision> out;
+  for (Decision& d : decided) {
+    const bool leaving = d.kind == Decision::Kind::kShutdownAck || d.kind == Decision::Kind::kCoordinatorGone;
+    if (leaving) {
+      // Everything held must run while the departing rank still executes decisions.
+      for (Decision& h : Release(now, true)) out.push_back(std::move(h));
+      out.push_back(std::move(d));
+      continue;
+    }
+    const int id = RunOf(d, cache);
+    if (id < 0) {
+      out.push_back(std::move(d));
+      continue;
+    }
+    Run& run = runs_[id];
+    const std::string& name = MayHold(d, cache)->meta.name;
+    if (run.pass_once.erase(name)) {
+      out.push_back(std::move(d));
+      continue;
+    }
+    if (run.held.empty()) run.since = now;
+    run.held.push_back(std::move(d));
+    ++held_count_;
+    ++total_held_;
+    if (run.held.size() == run.members) {
+      // The run's last member: it rides in the same batch, it is not "held".
+      --total_held_;
+      timeouts_in_a_row_ = 0;
+      Flush(run, &out);
+    }
+  }
+  return out;
+}
+
+std::vector<Decision> Holdback::Release(Clock::time_point now, bool all) {
+  std::vector<Decision> out;
+  if (held_count_ == 0) return out;
+  bool overdue = false;
+  for (const Run& run : runs_) overdue = overdue || (!run.held.empty() && now - run.since > limit_);
+  if (!all && !overdue) return out;
+  if (overdue && !all && ++timeouts_in_a_row_ >= kTimeoutsToGiveUp) {
+    gave_up_ = true;
+    run_of_.clear();
+  }
+  // Oldest run first, the order in which they were decided.
+  std::vector<Run*> order;
+  for (Run& run : runs_) if (!run.held.empty()) order.push_back(&run);
+  std::sort(order.begin(), order.end(), [](const Run* a, const Run* b) { return a->since < b->since; });
+  for (Run* run : order) Flush(*run, &out);
+  return out;
+}
+
+}  // namespace tfmpi

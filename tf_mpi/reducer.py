@@ -3,9 +3,11 @@
 Shared by the Keras DistributedOptimizer and DistributedGradientTape, so both
 group, compress and average the same way.
 """
+import os
+
 import tensorflow as tf
 
-from tf_mpi import basics, grouping, ops
+from tf_mpi import backprop_order, basics, grouping, ops
 from tf_mpi.basics import Average, Sum
 from tf_mpi.compression import Compression
 
@@ -21,6 +23,9 @@ class GradientReducer:
       gradient_predivide_factor: with op=Average, divide by this before the sum
         and by size/factor after it (splits the averaging to avoid overflow).
       num_groups, groups, threshold_bytes: see tf_mpi.grouping.make_plan.
+      order_backprop: make backprop finish each group's gradients before it
+        starts on the layers below (tf_mpi.backprop_order); None: the
+        TF_MPI_ORDER_BACKPROP environment variable (default off).
 
     Example::
 
@@ -29,7 +34,8 @@ class GradientReducer:
     """
 
     def __init__(self, name, op=Average, compression=Compression.none, sparse_as_dense=False,
-                 gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None):
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
+                 order_backprop=None):
         if op not in (Average, Sum):
             raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -38,6 +44,9 @@ class GradientReducer:
         self.sparse_as_dense = sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
         self.num_groups, self.groups, self.threshold_bytes = num_groups, groups, threshold_bytes
+        if order_backprop is None:
+            order_backprop = os.environ.get("TF_MPI_ORDER_BACKPROP", "0") == "1"
+        self.order_backprop = order_backprop
         self.plan = None
         self._verified = set()
 
@@ -77,6 +86,8 @@ class GradientReducer:
             self._verified.add(plan.fingerprint)
         self.plan = plan
         op, prescale, postscale = self._scaling()
+        if self.order_backprop:
+            backprop_order.order_backprop([[out[dense[j]] for j in group.indices] for group in plan.groups])
         for k, group in enumerate(plan.groups):
             members = [dense[j] for j in group.indices]
             reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=f"{self.name}.group{k}",

@@ -124,7 +124,8 @@ def _distributed_class(base):
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, backward_passes_per_step=1, average_aggregated_gradients=False,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None):
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         order_backprop=None):
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks before they are applied.
 
     Returns a new optimizer of a subclass of ``type(optimizer)`` with the same
@@ -146,6 +147,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       gradient_predivide_factor: split the averaging into a division before and after the sum.
       num_groups: if > 0, reduce gradients in this many groups of about equal bytes.
       groups: explicit list of lists of variables to reduce together.
+      order_backprop: make backprop produce each group's gradients before it starts on the layers
+        below, so that early groups reach the engine early even when TensorFlow has one inter-op
+        thread (its queue would otherwise hold them back to the end of backprop). Default: the
+        TF_MPI_ORDER_BACKPROP environment variable, off unless "1".
 
     Example::
 
@@ -172,7 +177,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", op=op, compression=compression,
                               sparse_as_dense=sparse_as_dense,
                               gradient_predivide_factor=gradient_predivide_factor,
-                              num_groups=num_groups, groups=groups)
+                              num_groups=num_groups, groups=groups, order_backprop=order_backprop)
     wrapped._tfmpi_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
 

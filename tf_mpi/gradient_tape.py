@@ -10,7 +10,10 @@ class DistributedGradientTape(tf.GradientTape):
     """Wraps a ``tf.GradientTape``; ``gradient()`` returns gradients averaged over ranks.
 
     Gradients are grouped by backprop order (see ``tf_mpi.grouping``) so that,
-    inside ``tf.function``, communication overlaps the rest of backprop.
+    inside ``tf.function``, communication overlaps the rest of backprop. With
+    one TensorFlow inter-op thread pass ``order_backprop=True`` for that
+    overlap (see ``tf_mpi.backprop_order``); other arguments are those of
+    ``tf_mpi.keras.DistributedOptimizer``.
 
     Example::
 
@@ -23,12 +26,12 @@ class DistributedGradientTape(tf.GradientTape):
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                 name="DistributedGradientTape", local_variables=None):
+                 name="DistributedGradientTape", local_variables=None, order_backprop=None):
         # Take over the recorded tape instead of recording anew.
         self.__dict__.update(gradtape.__dict__)
         self._reducer = GradientReducer(name, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                                         gradient_predivide_factor=gradient_predivide_factor,
-                                        num_groups=num_groups, groups=groups)
+                                        num_groups=num_groups, groups=groups, order_backprop=order_backprop)
         self._local_ids = {id(v) for v in (local_variables or [])}
 
     @property

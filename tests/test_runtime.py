@@ -43,12 +43,19 @@ def test_stall_is_reported_by_name_and_then_fails():
     assert "'only.rank0.submits.this' (allreduce): ready on rank 0, waiting on rank 1" in run.output, run.describe()
 
 
-def test_autotune_switches_settings_on_every_rank_at_once():
-    run = launch("autotune", env={"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1"})
+def tuned_run(scenario, env, check):
+    """A clean autotuned launch whose `check` passed on both ranks and whose rank 0 logged its choice."""
+    run = launch(scenario, env=env)
     clean(run)
-    assert_check(run, 2, "check_autotune_changes_settings_identically_and_results_stay_exact")
-    # Rank 0 logs every candidate's step time and its choice.
+    assert_check(run, 2, check)
     assert "[tf_mpi rank 0] INFO: autotune finished" in run.output, run.describe()
+    return run
+
+
+def test_autotune_switches_settings_on_every_rank_at_once():
+    run = tuned_run("autotune", {"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1"},
+                    "check_autotune_changes_settings_identically_and_results_stay_exact")
+    # Rank 0 logs every candidate's step time and its choice.
     assert run.output.count(": median step ") >= 12 and "chosen: fusion_threshold=" in run.output, run.describe()
     # Each step's second allreduce is submitted only after the first returned
     # (eager), so holding the first back for the second cannot work: the
@@ -58,10 +65,8 @@ def test_autotune_switches_settings_on_every_rank_at_once():
 
 
 def test_autotuned_plan_holds_allreduces_back_and_results_stay_exact():
-    run = launch("merge", env={"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"})
-    clean(run)
-    assert_check(run, 2, "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
-    assert "[tf_mpi rank 0] INFO: autotune finished" in run.output, run.describe()
+    run = tuned_run("merge", {"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"},
+                    "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
     # Three allreduces per step: 4 ways to merge neighbours, each timed, then the choice.
     timed = [line for line in run.output.splitlines() if line.startswith("  groups ") and ": median step " in line]
     assert len(timed) == 4 and "chosen: " in run.output, run.describe()

@@ -53,7 +53,7 @@ def order_backprop(grouped_grads):
     added = 0
     done = _ancestors(_producers(grouped_grads[0]))
     for k in range(1, len(grouped_grads)):
-        before = [op for op in _producers(grouped_grads[k - 1])]
+        before = _producers(grouped_grads[k - 1])
         if not before:
             done |= _ancestors(_producers(grouped_grads[k]))
             continue

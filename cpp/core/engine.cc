@@ -291,12 +291,8 @@ void Engine::Autotune(Protocol& p, Clock::time_point now, std::vector<Decision>*
   auto observe = [&](const std::vector<Decision>& batch, size_t from) {
     std::optional<TuneSetting> change;
     for (size_t i = from; i < batch.size(); ++i) {
-      const Decision& d = batch[i];
-      const std::string* name = d.kind == Decision::Kind::kExecute         ? &d.response.meta.name
-                                : d.kind == Decision::Kind::kExecuteCached ? &p.cache.Get(d.cache_id).meta.name
-                                                                           : nullptr;
-      if (name)
-        if (auto s = tuner.Observe(*name, Holdback::MayHold(d, p.cache) != nullptr, now)) change = s;
+      if (const Response* r = Holdback::Executed(batch[i], p.cache))
+        if (auto s = tuner.Observe(r->meta.name, Holdback::MayHold(batch[i], p.cache), now)) change = s;
     }
     return change;
   };

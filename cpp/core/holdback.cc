@@ -25,18 +25,20 @@ void Holdback::SetRuns(const Runs& runs, Clock::duration limit,
   }
 }
 
-const Response* Holdback::MayHold(const Decision& d, const ResponseCache& cache) {
-  const Response* r = d.kind == Decision::Kind::kExecute         ? &d.response
-                      : d.kind == Decision::Kind::kExecuteCached ? &cache.Get(d.cache_id)
-                                                                 : nullptr;
-  return r && r->meta.type == CollectiveType::kAllreduce && r->joined.empty() ? r : nullptr;
+const Response* Holdback::Executed(const Decision& d, const ResponseCache& cache) {
+  return d.kind == Decision::Kind::kExecute         ? &d.response
+         : d.kind == Decision::Kind::kExecuteCached ? &cache.Get(d.cache_id)
+                                                    : nullptr;
+}
+
+bool Holdback::MayHold(const Decision& d, const ResponseCache& cache) {
+  const Response* r = Executed(d, cache);
+  return r && r->meta.type == CollectiveType::kAllreduce && r->joined.empty();
 }
 
 int Holdback::RunOf(const Decision& d, const ResponseCache& cache) const {
-  if (run_of_.empty()) return -1;
-  const Response* r = MayHold(d, cache);
-  if (!r) return -1;
-  auto it = run_of_.find(r->meta.name);
+  if (run_of_.empty() || !MayHold(d, cache)) return -1;
+  auto it = run_of_.find(Executed(d, cache)->meta.name);
   return it == run_of_.end() ? -1 : it->second;
 }
 
@@ -64,7 +66,7 @@ std::vector<Decision> Holdback::Admit(std::vector<Decision> decided, const Respo
       continue;
     }
     Run& run = runs_[id];
-    const std::string& name = MayHold(d, cache)->meta.name;
+    const std::string& name = Executed(d, cache)->meta.name;
     if (run.pass_once.erase(name)) {
       out.push_back(std::move(d));
       continue;

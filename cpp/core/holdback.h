@@ -47,23 +47,24 @@ class Holdback {
   // is older than the limit (see above).
   std::vector<Decision> Release(Clock::time_point now, bool all);
 
-  bool holding() const { return held_count_ > 0; }
   // True once holding is switched off for good (see above).
   bool gave_up() const { return gave_up_; }
   // Decisions held back so far (a counter for tests and stats).
   int64_t total_held() const { return total_held_; }
 
+  // The response `d` executes (nullptr for decisions that execute nothing).
+  static const Response* Executed(const Decision& d, const ResponseCache& cache);
+  // Whether `d` is an allreduce every rank takes part in (a gradient group,
+  // which the executor fuses). Only these are ever held.
+  static bool MayHold(const Decision& d, const ResponseCache& cache);
+
+ private:
   struct Run {
     size_t members = 0;
     std::vector<Decision> held;
     Clock::time_point since;
     std::unordered_set<std::string> pass_once;  // members that go unheld this step (see SetRuns)
   };
-  // The response `d` executes if it is an allreduce every rank takes part in
-  // (a gradient group, which the executor fuses), else nullptr. Only these are ever held.
-  static const Response* MayHold(const Decision& d, const ResponseCache& cache);
-
- private:
   // The run `d` belongs to, or -1 when `d` is not held.
   int RunOf(const Decision& d, const ResponseCache& cache) const;
   void Flush(Run& run, std::vector<Decision>* out);

@@ -122,16 +122,18 @@ std::optional<TuneSetting> Autotuner::NewStep(double last_ms) {
     // The merge stage needs two recorded steps in a row with the same (two or
     // more) allreduces. Until then, or until kMaxRecordings steps show that
     // the loop has no such pattern, keep recording.
+    // (A name decided twice starts a new step, so a recorded step has no duplicates.)
     if (recording_ && ++recordings_ >= 2) {
       const std::set<std::string> a(recorded_[0].begin(), recorded_[0].end()),
           b(recorded_[1].begin(), recorded_[1].end());
-      if (a == b && b.size() == recorded_[1].size() && b.size() >= 2) {
-        return NextStage();
-      }
-      if (recordings_ >= kMaxRecordings) {
-        report_.push_back("groups: not tuned (no steady step with two or more allreduces in " +
-                          std::to_string(kMaxRecordings) + " steps)");
-        recorded_[1].clear();
+      const bool steady = a == b && b.size() >= 2;
+      if (steady || recordings_ >= kMaxRecordings) {
+        if (!steady) {
+          report_.push_back("groups: not tuned (no steady step with two or more allreduces in " +
+                            std::to_string(kMaxRecordings) + " steps)");
+          recorded_[1].clear();
+        }
+        recording_ = false;
         return NextStage();
       }
     }

@@ -4,6 +4,11 @@
 
 namespace tfmpi {
 
+namespace {
+// Gradient groups: allreduces every rank takes part in, which the executor fuses.
+bool AllreduceOfAll(const Response& r) { return r.meta.type == CollectiveType::kAllreduce && r.joined.empty(); }
+}  // namespace
+
 void Holdback::SetRuns(const Runs& runs, Clock::duration limit,
                        const std::unordered_set<std::string>& decided_this_step) {
   run_of_.clear();
@@ -33,12 +38,12 @@ const Response* Holdback::Executed(const Decision& d, const ResponseCache& cache
 
 bool Holdback::MayHold(const Decision& d, const ResponseCache& cache) {
   const Response* r = Executed(d, cache);
-  return r && r->meta.type == CollectiveType::kAllreduce && r->joined.empty();
+  return r && AllreduceOfAll(*r);
 }
 
-int Holdback::RunOf(const Decision& d, const ResponseCache& cache) const {
-  if (run_of_.empty() || !MayHold(d, cache)) return -1;
-  auto it = run_of_.find(Executed(d, cache)->meta.name);
+int Holdback::RunOf(const Response& r) const {
+  if (!AllreduceOfAll(r)) return -1;
+  auto it = run_of_.find(r.meta.name);
   return it == run_of_.end() ? -1 : it->second;
 }
 
@@ -60,14 +65,14 @@ std::vector<Decision> Holdback::Admit(std::vector<Decision> decided, const Respo
       out.push_back(std::move(d));
       continue;
     }
-    const int id = RunOf(d, cache);
+    const Response* r = run_of_.empty() ? nullptr : Executed(d, cache);
+    const int id = r ? RunOf(*r) : -1;
     if (id < 0) {
       out.push_back(std::move(d));
       continue;
     }
     Run& run = runs_[id];
-    const std::string& name = Executed(d, cache)->meta.name;
-    if (run.pass_once.erase(name)) {
+    if (run.pass_once.erase(r->meta.name)) {
       out.push_back(std::move(d));
       continue;
     }

@@ -65,8 +65,9 @@ class Holdback {
     Clock::time_point since;
     std::unordered_set<std::string> pass_once;  // members that go unheld this step (see SetRuns)
   };
-  // The run `d` belongs to, or -1 when `d` is not held.
-  int RunOf(const Decision& d, const ResponseCache& cache) const;
+  // The run whose member `r` is, or -1 when `r` is not held (not in a run, or
+  // not an allreduce of every rank: see MayHold).
+  int RunOf(const Response& r) const;
   void Flush(Run& run, std::vector<Decision>* out);
 
   std::unordered_map<std::string, int> run_of_;

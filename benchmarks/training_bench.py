@@ -207,9 +207,10 @@ def setup_tfmpi(args, spec, tf, keras):
         plan = optimizer.grouping_plan
         return {"groups": len(plan.groups) if plan else None,
                 "grouping_source": plan.source if plan else None,
-                "group_bytes": [g.nbytes for g in plan.groups] if plan else None}
+                "group_bytes": [g.nbytes for g in plan.groups] if plan else None,
+                "overlap": plan.cost_model.overlap if plan and plan.cost_model else None}
 
-    env_seen = {k: os.environ.get(k) for k in ("TF_MPI_FUSION_THRESHOLD", "TF_MPI_TIMELINE")}
+    env_seen = {k: os.environ.get(k) for k in ("TF_MPI_FUSION_THRESHOLD", "TF_MPI_TIMELINE", "TF_MPI_OVERLAP")}
     return Setup(model, dataset, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], processes=hvd.size(),
                  reports=hvd.rank() == 0,
                  extra={"grouping": args.grouping, "sparse": args.sparse, "env": env_seen},

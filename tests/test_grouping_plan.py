@@ -91,3 +91,22 @@ def test_a_latency_bound_remainder_at_the_end_joins_the_group_before_it():
     # A bandwidth-bound last group stays on its own, and so does a remainder the byte bound keeps out.
     assert _cut_when_bandwidth_bound(range(6), MLP, MODEL, 4 * MIB) == [[0, 1, 2, 3], [4, 5]]
     assert _cut_when_bandwidth_bound(range(2), [900_000, 9216], MODEL, 900_000) == [[0], [1]]
+
+
+def test_without_overlap_only_the_byte_bound_cuts():
+    # Communication that cannot hide behind backprop (one busy core per rank) gains
+    # nothing from an early message: the LSTM and the MLP become one group each.
+    shared_core = CostModel(alpha=50e-6, beta=1e-9, overlap=0.0)
+    assert _cut_when_bandwidth_bound(range(9), LSTM, shared_core, 4 * MIB, [layer_of(n) for n in LSTM_NAMES]) == [list(range(9))]
+    assert _cut_when_bandwidth_bound(range(6), MLP, shared_core, 4 * MIB) == [list(range(6))]
+    # The byte bound still holds for a model larger than it.
+    assert _cut_when_bandwidth_bound(range(6), [3 * MIB] * 6, shared_core, 4 * MIB) == [[k] for k in range(6)]
+
+
+def test_partial_overlap_raises_the_bound_by_its_inverse():
+    # At overlap 1 a group is worth sending from 200 kB; at 0.5 only half its
+    # transfer hides, so it takes 400 kB.
+    sizes = [300_000, 300_000, 300_000]
+    assert _cut_when_bandwidth_bound(range(3), sizes, MODEL, 4 * MIB) == [[0], [1], [2]]
+    half = CostModel(alpha=50e-6, beta=1e-9, overlap=0.5)
+    assert _cut_when_bandwidth_bound(range(3), sizes, half, 4 * MIB) == [[0, 1, 2]]

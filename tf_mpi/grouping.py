@@ -29,9 +29,17 @@ still computes the rest (wait-free backpropagation). The plan:
    group before it.
    ``alpha`` and ``beta`` are measured once with probe allreduces and rank
    0's values are used everywhere, so every rank derives the same plan.
+3. **Count only the overlap the machine allows.** An early group pays off
+   only if its transfer really runs while backprop computes. The probe in
+   tf_mpi.overlap_probe measures the share that does (``overlap``), and only
+   that share counts toward the bound above: a group is cut once
+   ``overlap * beta * bytes >= 4 * alpha``. Where communication and
+   computation share the cores (CPU training with as many ranks as cores,
+   shared-memory transport) the probe measures 0, nothing is worth an early
+   message, and only the byte bound cuts: small models become one group.
 
 ``num_groups`` (equal-byte contiguous groups) or explicit ``groups`` (lists of
-variables) override steps 2-3. Every rank checks at trace time that all ranks
+variables) override steps 2 and 3. Every rank checks at trace time that all ranks
 derived the same plan and raises a clear error otherwise.
 
 Example::
@@ -53,9 +61,12 @@ DEFAULT_GROUP_BYTES = 4 << 20
 
 @dataclass
 class CostModel:
-    """Per-message latency ``alpha`` (s) and per-byte cost ``beta`` (s/byte) of an allreduce."""
+    """Per-message latency ``alpha`` (s) and per-byte cost ``beta`` (s/byte) of
+    an allreduce, and ``overlap``: the share of its time that hides behind
+    computation (1: free in the background; 0: none, see tf_mpi.overlap_probe)."""
     alpha: float
     beta: float
+    overlap: float = 1.0
 
     @property
     def break_even_bytes(self):
@@ -67,7 +78,8 @@ _cost_model = None
 
 
 def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=11):
-    """Measures alpha and beta with probe allreduces (collective: call on every rank).
+    """Measures alpha and beta with probe allreduces, and the overlap with
+    tf_mpi.overlap_probe (collective: call on every rank).
 
     The fastest of `repeats` probes per size is used: on a shared machine the
     slow samples measure the neighbours, and the minimum is what makes the
@@ -92,7 +104,8 @@ def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=11):
     beta = max((times[large_bytes] - times[small_bytes]) / (large_bytes - small_bytes), 1e-12)
     alpha = max(times[small_bytes] - beta * small_bytes, 1e-7)
     shared = _core.broadcast(np.array([alpha, beta], np.float64), 0, "tfmpi.costmodel.share")
-    _cost_model = CostModel(float(shared[0]), float(shared[1]))
+    from tf_mpi.overlap_probe import measure_overlap
+    _cost_model = CostModel(float(shared[0]), float(shared[1]), measure_overlap())
     return _cost_model
 
 
@@ -119,7 +132,7 @@ class Plan:
         lines = [f"grouping plan ({self.source}): {len(self.groups)} groups"
                  + (f", threshold {self.threshold_bytes} B" if self.threshold_bytes else "")
                  + (f", alpha {self.cost_model.alpha * 1e6:.1f} us, beta {self.cost_model.beta * 1e9:.3f} ns/B"
-                    if self.cost_model else "")]
+                    f", overlap {self.cost_model.overlap:.2f}" if self.cost_model else "")]
         for k, g in enumerate(self.groups):
             lines.append(f"  group {k}: {g.nbytes} B, {len(g.indices)} tensors: {', '.join(g.names)}")
         return "\n".join(lines)
@@ -169,13 +182,17 @@ MIN_GROUP_COST_FACTOR = 4
 
 def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold, layers=None):
     """Contiguous groups in backprop order: each closes once it is
-    bandwidth-bound (see MIN_GROUP_COST_FACTOR) at the end of a layer
+    bandwidth-bound (see MIN_GROUP_COST_FACTOR; the part of its transfer that
+    hides behind computation counts) at the end of a layer
     (`layers[i]`: tensor i's layer; None: every tensor is a layer), or before
     it would exceed `threshold` bytes. A latency-bound group is never sent on
     its own when it can join a neighbour: it joins a following tensor that
     alone exceeds `threshold`, and a latency-bound remainder at the end joins
     the group before it."""
-    enough = MIN_GROUP_COST_FACTOR * cost_model.break_even_bytes
+    # Sending a group early hides overlap * beta * bytes and costs one start-up.
+    # With no overlap nothing is worth an early message: only the byte bound cuts.
+    hidden_share = cost_model.overlap
+    enough = MIN_GROUP_COST_FACTOR * cost_model.break_even_bytes / hidden_share if hidden_share > 0 else float("inf")
     order = list(order)
     groups, current, current_bytes = [], [], 0
     for k, i in enumerate(order):

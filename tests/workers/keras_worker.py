@@ -10,6 +10,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -208,6 +209,26 @@ def check_grouping_plan_follows_backprop_and_byte_bound():
     last_layer = [v for v in variables if v.path.startswith("out/")]
     p3 = hvd.grouping.make_plan([tf.zeros(v.shape) for v in variables], variables, groups=[last_layer])
     assert sorted(p3.groups[0].names) == ["out/bias", "out/kernel"] and len(p3.groups) == 2
+
+
+def check_overlap_probe_tells_background_communication_from_a_shared_core():
+    from tf_mpi.overlap_probe import measure_overlap
+    # A "computation" that leaves the CPU free (as a GPU would): the allreduce hides behind it.
+    background = measure_overlap(lambda k: time.sleep(0.001 * k))
+    assert 0.5 < background <= 1.0, background
+    # The real TensorFlow kernel: any value in [0, 1], but rank 0's on every rank, so plans agree.
+    measured = measure_overlap()
+    assert 0.0 <= measured <= 1.0
+    planned = hvd.grouping.measure_cost_model().overlap  # what the default plans were cut with
+    assert 0.0 <= planned <= 1.0
+    everywhere = _core.allgather(np.array([background, measured, planned], np.float64)[None, :], "overlap.values")
+    assert all(np.array_equal(everywhere[0], row) for row in everywhere), everywhere
+    # An override skips the probe (the kernel would raise).
+    os.environ["TF_MPI_OVERLAP"] = "0.25"
+    try:
+        assert measure_overlap(lambda k: 1 / 0) == 0.25
+    finally:
+        del os.environ["TF_MPI_OVERLAP"]
 
 
 def check_clipping_happens_after_reduction():

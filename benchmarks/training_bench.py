@@ -199,6 +199,7 @@ def setup_tfmpi(args, spec, tf, keras):
     # densifying the 2x64x100 allgathered rows after it (docs/performance.md).
     optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(LEARNING_RATE),
                                          sparse_as_dense=args.sparse == "dense",
+                                         compression=getattr(hvd.Compression, args.compression),
                                          **grouping_options(args.grouping, model))
     compile_model(model, spec, optimizer)
     dataset = bench_models.synthetic_dataset(spec, BATCH_PER_PROCESS, seed=args.seed + hvd.rank())
@@ -213,7 +214,8 @@ def setup_tfmpi(args, spec, tf, keras):
     env_seen = {k: os.environ.get(k) for k in ("TF_MPI_FUSION_THRESHOLD", "TF_MPI_TIMELINE", "TF_MPI_OVERLAP")}
     return Setup(model, dataset, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], processes=hvd.size(),
                  reports=hvd.rank() == 0,
-                 extra={"grouping": args.grouping, "sparse": args.sparse, "env": env_seen},
+                 extra={"grouping": args.grouping, "sparse": args.sparse, "compression": args.compression,
+                        "env": env_seen},
                  after_fit=plan_facts)
 
 
@@ -832,6 +834,8 @@ def parse_args():
     sel.add_argument("--grouping", choices=GROUPING_NAMES, default="graph", help="worker, tfmpi: gradient grouping")
     sel.add_argument("--groupings", nargs="+", choices=GROUPING_NAMES, default=GROUPING_NAMES,
                      help="driver: the tfmpi groupings")
+    sel.add_argument("--compression", choices=["none", "fp16"], default="none",
+                     help="worker, tfmpi: gradients on the wire (fp16 halves the bytes; not bit-equal to float32)")
     sel.add_argument("--sparse", choices=SPARSE_NAMES + ["both"], default="dense",
                      help="tfmpi: how an Embedding's IndexedSlices gradient travels: densified and allreduced "
                           "(sparse_as_dense=True) or allgathered; 'both' (driver): also `tfmpi graph allgather`")

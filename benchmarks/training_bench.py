@@ -63,6 +63,7 @@ One launch by hand (what the driver runs; the reporting process prints ``RESULT 
     python -m tf_mpi.run -np 2 python benchmarks/training_bench.py --mode tfmpi --grouping one --model mlp
     TF_MPI_FUSION_THRESHOLD=0 python -m tf_mpi.run -np 2 python benchmarks/training_bench.py \\
         --mode tfmpi --grouping per-tensor --model mlp
+    python -m tf_mpi.run -np 2 python benchmarks/training_bench.py --mode tfmpi --model lstm --compression fp16
     TF_CONFIG='{"cluster": {"worker": ["localhost:PORT0", "localhost:PORT1"]}, "task": {"type": "worker", "index": I}}' \\
         python benchmarks/training_bench.py --mode mwms --model mlp     # twice, I = 0 and 1
 

@@ -23,6 +23,8 @@ auto DispatchType(DataType dtype, Fn&& fn) {
     case DataType::kFloat32: return fn(float{});
     case DataType::kFloat64: return fn(double{});
     case DataType::kBool: return fn(bool{});
+    case DataType::kInt16: return fn(int16_t{});
+    case DataType::kUInt16: return fn(uint16_t{});
     default: throw std::invalid_argument("tf_mpi: unknown dtype");
   }
 }

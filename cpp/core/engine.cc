@@ -80,8 +80,9 @@ int64_t RequestBytes(const Request& r) {
 }  // namespace
 
 struct Engine::Protocol {
-  Protocol(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats, Timeline* timeline)
-      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, stats, timeline) {
+  Protocol(const MpiContext* mpi, const EngineConfig& config, GpuTransport gpu_transport, ExecutorStats* stats,
+           Timeline* timeline)
+      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, gpu_transport, stats, timeline) {
     if (mpi->rank() == 0)
       coord = std::make_unique<Coordinator>(mpi->size(), &cache, config.stall_check_s, config.stall_shutdown_s, timeline);
     if (mpi->rank() == 0 && config.autotune != AutotuneScope::kOff)
@@ -129,7 +130,10 @@ Status Engine::Init(const InitOptions& opts) {
   }
   if (config_.yield_bytes > 0 && !YieldWhileWaiting::Supported())
     LogWarning("TF_MPI_YIELD_BYTES is set, but this MPI has no yield-when-idle switch (Open MPI has); it is ignored");
-  protocol_ = std::make_unique<Protocol>(&mpi_, config_, &stats_, &timeline_);
+  // Asking the MPI needs no GPU and no CUDA library, so the transport is known
+  // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
+  gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
+  protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_.transport, &stats_, &timeline_);
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {
     s = StartTimeline(path);
@@ -195,6 +199,16 @@ Status Engine::Validate(const Request& r) const {
       return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) +
                              " needs tensors with at least one dimension (got a scalar)");
   }
+  if (m.gpu != (r.device >= 0)) return Status::Invalid("tf_mpi: " + what + ": meta.gpu and device disagree");
+  if (r.device >= 0) {
+    std::string why;
+    if (!CudaApi(&why)) return Status::Precondition(why);
+    int expected = -1;
+    if (!gpu_device_.compare_exchange_strong(expected, r.device) && expected != r.device)
+      return Status::Invalid("tf_mpi: " + what + " is on GPU " + std::to_string(r.device) + ", but this rank's " +
+                             "collectives use GPU " + std::to_string(expected) +
+                             " (one GPU per rank: pick it with local_rank())");
+  }
   const bool sized_later = m.type == CollectiveType::kAllgather || m.type == CollectiveType::kAlltoall;
   if ((m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter) && m.op == ReduceOp::kAdasum)
     return Status::Invalid("tf_mpi: Adasum is not implemented yet; use Average or Sum");
@@ -227,10 +241,18 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
     return Status::Precondition("tf_mpi has not been initialized; call tf_mpi.init() first");
   Status s = Validate(*r);
   if (!s.ok()) return s;
-  // A small request is run by this thread (Drive) when no one else is running
-  // the protocol right now; otherwise the background thread is woken.
+  // The engine's stream will wait for what the caller queued on its stream so
+  // far; no host-side synchronisation of the caller's stream.
+  if (r->device >= 0 && r->stream) {
+    s = RecordReadyEvent(r->device, r->stream, &r->ready_event);
+    if (!s.ok()) return s;
+  }
+  // A small host request is run by this thread (Drive) when no one else is
+  // running the protocol right now; otherwise the background thread is woken.
+  // GPU requests always go to the background thread: their copies and
+  // synchronisation do not belong on a caller's (e.g. TensorFlow's) thread.
   std::unique_lock<std::mutex> turn;
-  if (!tls_in_protocol && RequestBytes(*r) <= config_.inline_bytes && config_.inline_bytes > 0)
+  if (!tls_in_protocol && r->device < 0 && RequestBytes(*r) <= config_.inline_bytes && config_.inline_bytes > 0)
     turn = std::unique_lock<std::mutex>(progress_mu_, std::try_to_lock);
   const bool drive = turn.owns_lock() && protocol_ && !protocol_->done;
   std::shared_ptr<std::atomic<bool>> finished;

@@ -23,6 +23,7 @@
 #include "env.h"
 #include "autotune.h"
 #include "executor.h"
+#include "gpu_transport.h"
 #include "mpi_context.h"
 #include "request.h"
 #include "timeline.h"
@@ -57,6 +58,8 @@ class Engine {
   Status Enqueue(std::unique_ptr<Request> r);
 
   const ExecutorStats& stats() const { return stats_; }
+  // How GPU tensors reach MPI in this process (chosen at Init; gpu_transport.h).
+  const GpuTransportChoice& gpu_transport() const { return gpu_choice_; }
 
   // Rank 0 writes the timeline; on other ranks these do nothing.
   Status StartTimeline(const std::string& path);
@@ -86,6 +89,8 @@ class Engine {
   Timeline timeline_;
   EngineConfig config_{};
   std::atomic<bool> initialized_{false};
+  GpuTransportChoice gpu_choice_;
+  mutable std::atomic<int> gpu_device_{-1};  // the GPU of this rank's first GPU request
   std::thread thread_;
 
   std::unique_ptr<Protocol> protocol_;

@@ -46,6 +46,70 @@ void Phase(Timeline* tl, const std::vector<const Request*>& reqs, const char* na
 }
 }  // namespace
 
+Device& Executor::DeviceOf(Request* r) {
+  if (r->device < 0) return host_;
+  if (!on_gpu_) on_gpu_.emplace(r->device);
+  if (!cuda_) {
+    // Enqueue admitted the request only after loading the CUDA part.
+    cuda_ = std::make_unique<CudaDevice>(CudaApi(nullptr), r->device);
+  }
+  if (r->ready_event) {
+    cuda_->WaitAndRelease(r->ready_event);
+    r->ready_event = nullptr;
+  }
+  return *cuda_;
+}
+
+void* Executor::Allocate(Device& dev, Request* r, size_t index, const Shape& shape) {
+  void* out = r->allocate(index, shape);
+  if (!dev.is_host() && r->stream) {
+    // A framework's allocator may hand out memory whose last readers are
+    // still queued on the producer's stream (TensorFlow frees a tensor when
+    // its last reader is queued, relying on stream order): order our writes
+    // after them.
+    void* event = nullptr;
+    Status s = RecordReadyEvent(r->device, r->stream, &event);
+    if (s.ok()) static_cast<CudaDevice&>(dev).WaitAndRelease(event);
+    else failed_.emplace(r, s);
+  }
+  return out;
+}
+
+void* Executor::Stage(Device& dev, int slot, void* ptr, int64_t bytes, bool copy_in) {
+  if (dev.is_host()) return ptr;
+  GpuCounters c;
+  void* view = gpu_.Stage(static_cast<CudaDevice&>(dev), slot, ptr, bytes, copy_in, &c);
+  stats_->gpu_staged_bytes += c.staged_bytes;
+  stats_->gpu_direct_bytes += c.direct_bytes;
+  return view;
+}
+
+void Executor::Unstage(Device& dev, void* ptr, void* view, int64_t bytes) {
+  if (dev.is_host()) return;
+  GpuCounters c;
+  gpu_.Unstage(static_cast<CudaDevice&>(dev), ptr, view, bytes, &c);
+  stats_->gpu_staged_bytes += c.staged_bytes;
+}
+
+void Executor::ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op) {
+  if (dev.is_host()) {
+    collectives_.Allreduce(nullptr, buf, count, dtype, op);
+    return;
+  }
+  GpuCounters c;
+  gpu_.Allreduce(static_cast<CudaDevice&>(dev), buf, count, dtype, op, &c);
+  stats_->gpu_staged_bytes += c.staged_bytes;
+  stats_->gpu_direct_bytes += c.direct_bytes;
+}
+
+void Executor::Settle(Device& dev, const std::vector<Request*>& reqs) {
+  if (dev.is_host()) return;
+  dev.Synchronize();  // the callbacks may run only once the results are on the device
+  Status s = dev.TakeError();
+  if (s.ok()) return;
+  for (const Request* r : reqs) failed_.emplace(r, s);
+}
+
 bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache) {
   decided_ = TClock::now();
   // Responses are copied out of the cache: Put() below may move cache storage.
@@ -55,6 +119,7 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
     if (d.kind == Decision::Kind::kError) {
       auto it = in_flight->find(d.response.meta.name);
       if (it != in_flight->end()) {
+        if (it->second->ready_event) DeviceOf(it->second.get());  // releases the event
         it->second->done(Status::Aborted(d.response.error));
         in_flight->erase(it);
         ++stats_->errors;
@@ -102,16 +167,28 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
     if (timeline_->active()) {
       static const char* names[] = {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BROADCAST", "MPI_ALLTOALL",
                                     "MPI_REDUCESCATTER", "JOIN"};
-      Phase(timeline_, {w.request}, names[static_cast<int>(w.response->meta.type)], t0, "");
+      Phase(timeline_, {w.request}, names[static_cast<int>(w.response->meta.type)], t0,
+            w.request->device >= 0 ? std::string("{\"transport\": \"") + GpuTransportName(gpu_.transport()) + "\"}"
+                                   : "");
     }
   }
   for (const Response& r : responses) {
     auto it = in_flight->find(r.meta.name);
     if (it == in_flight->end()) continue;  // a joined rank's stand-in
-    it->second->done(Status::OK());
+    if (it->second->device >= 0) ++stats_->gpu_requests;
+    auto failed = failed_.find(it->second.get());
+    if (failed == failed_.end()) {
+      it->second->done(Status::OK());
+      ++stats_->requests;
+    } else {
+      it->second->done(failed->second);
+      failed_.erase(failed);
+      ++stats_->errors;
+    }
     in_flight->erase(it);
-    ++stats_->requests;
   }
+  failed_.clear();  // stand-ins' entries
+  on_gpu_.reset();
   return true;
 }
 
@@ -125,20 +202,23 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       const int64_t count = NumElements(m.tensors[t].shape);
       if (count == 0) continue;
       slots.push_back({w.request, t, count, mpi_->size() - static_cast<int>(w.response->joined.size())});
-      items.push_back({m.tensors[t].dtype, m.op, count * static_cast<int64_t>(DataTypeSize(m.tensors[t].dtype))});
+      items.push_back({m.tensors[t].dtype, m.op, count * static_cast<int64_t>(DataTypeSize(m.tensors[t].dtype)), m.gpu});
     }
   }
   for (const FusionBucket& b : PlanFusion(items, tunables_.fusion_threshold, tunables_.direct_bytes)) {
     ++stats_->allreduce_buckets;
     const Slot& first = slots[b.items[0]];
-    std::vector<const Request*> members;
-    if (timeline_->active()) {
-      for (size_t i : b.items)
-        if (members.empty() || members.back() != slots[i].req) members.push_back(slots[i].req);
-      Phase(timeline_, members, "QUEUE", decided_, "");
-    }
-    const std::string args = "{\"bucket\": " + std::to_string(bucket_id_++) + ", \"tensors\": " +
-                             std::to_string(b.items.size()) + ", \"bytes\": " + std::to_string(b.bytes) + "}";
+    std::vector<Request*> served;  // each request once, in order
+    for (size_t i : b.items)
+      if (served.empty() || served.back() != slots[i].req) served.push_back(slots[i].req);
+    const std::vector<const Request*> members(served.begin(), served.end());
+    if (timeline_->active()) Phase(timeline_, members, "QUEUE", decided_, "");
+    Device& dev = DeviceOf(first.req);
+    for (Request* r : served) DeviceOf(r);  // every member's producer has finished
+    std::string args = "{\"bucket\": " + std::to_string(bucket_id_++) + ", \"tensors\": " +
+                       std::to_string(b.items.size()) + ", \"bytes\": " + std::to_string(b.bytes);
+    if (!dev.is_host()) args += std::string(", \"transport\": \"") + GpuTransportName(gpu_.transport()) + "\"";
+    args += "}";
     auto t0 = TClock::now();
     const DataType dtype = first.req->meta.tensors[first.t].dtype;
     const ReduceOp op = first.req->meta.op;
@@ -146,51 +226,61 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       const RequestMeta& m = first.req->meta;
       const void* in = first.req->inputs[first.t];
       void* out = first.req->outputs[first.t];
-      if (m.prescale != 1.0) {
-        ScaleCopy(out, in, first.count, dtype, m.prescale);
-        in = out;
+      if (dev.is_host() && m.prescale == 1.0) {
+        collectives_.Allreduce(in, out, first.count, dtype, op);  // MPI copies `in` itself
+      } else {
+        if (m.prescale != 1.0 || in != out) dev.ScaleCopy({{out, in, first.count, m.prescale}}, dtype);
+        ReduceInPlace(dev, out, first.count, dtype, op);
       }
-      collectives_.Allreduce(in, out, first.count, dtype, op);
       const double post = PostScale(m, first.contributors);
-      if (post != 1.0) ScaleCopy(out, out, first.count, dtype, post);
+      if (post != 1.0) dev.ScaleCopy({{out, out, first.count, post}}, dtype);
+      Settle(dev, served);
       Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
       continue;
     }
-    if (static_cast<int64_t>(fusion_buffer_.size()) < b.bytes) fusion_buffer_.resize(b.bytes);
-    char* buf = fusion_buffer_.data();
+    char* buf = static_cast<char*>(dev.Scratch(b.bytes));
+    std::vector<ScaleCopyItem> copies;
+    copies.reserve(b.items.size());
     int64_t offset = 0;
     for (size_t i : b.items) {
       const Slot& s = slots[i];
-      ScaleCopy(buf + offset, s.req->inputs[s.t], s.count, dtype, s.req->meta.prescale);
+      copies.push_back({buf + offset, s.req->inputs[s.t], s.count, s.req->meta.prescale});
       offset += items[i].bytes;
     }
+    if (buf) dev.ScaleCopy(copies, dtype);
     Phase(timeline_, members, "MEMCPY_IN_FUSION_BUFFER", t0, args);
     t0 = TClock::now();
-    collectives_.Allreduce(nullptr, buf, b.bytes / DataTypeSize(dtype), dtype, op);
+    ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op);
     Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
     t0 = TClock::now();
-    offset = 0;
-    for (size_t i : b.items) {
-      const Slot& s = slots[i];
-      ScaleCopy(s.req->outputs[s.t], buf + offset, s.count, dtype, PostScale(s.req->meta, s.contributors));
-      offset += items[i].bytes;
+    for (size_t c = 0; c < b.items.size(); ++c) {
+      const Slot& s = slots[b.items[c]];
+      copies[c] = {s.req->outputs[s.t], copies[c].dst, s.count, PostScale(s.req->meta, s.contributors)};
     }
+    if (buf) dev.ScaleCopy(copies, dtype);
+    Settle(dev, served);
     Phase(timeline_, members, "MEMCPY_OUT_FUSION_BUFFER", t0, args);
   }
 }
 
 void Executor::RunAllgather(const Work& w) {
   const RequestMeta& m = w.request->meta;
+  Device& dev = DeviceOf(w.request);
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     const Shape& mine = m.tensors[t].shape;
     const std::vector<int64_t>& rows = w.response->dim0[t];
     Shape out_shape = mine;
     out_shape[0] = 0;
     for (int64_t r : rows) out_shape[0] += r;
-    void* out = w.request->allocate(t, out_shape);
+    void* out = Allocate(dev, w.request, t, out_shape);
     const int64_t row_elems = mine[0] == 0 ? NumElements(Shape(mine.begin() + 1, mine.end())) : NumElements(mine) / mine[0];
-    collectives_.Allgather(w.request->inputs[t], out, rows, row_elems * DataTypeSize(m.tensors[t].dtype));
+    const int64_t row_bytes = row_elems * DataTypeSize(m.tensors[t].dtype);
+    void* in = Stage(dev, CudaDevice::kSendSlot, const_cast<void*>(w.request->inputs[t]), mine[0] * row_bytes, true);
+    void* view = Stage(dev, CudaDevice::kRecvSlot, out, out_shape[0] * row_bytes, false);
+    collectives_.Allgather(in, view, rows, row_bytes);
+    Unstage(dev, out, view, out_shape[0] * row_bytes);
   }
+  Settle(dev, {w.request});
 }
 
 int64_t RowBytes(const TensorMeta& t) {
@@ -201,48 +291,64 @@ int64_t RowBytes(const TensorMeta& t) {
 
 void Executor::RunAlltoall(const Work& w) {
   const RequestMeta& m = w.request->meta;
+  Device& dev = DeviceOf(w.request);
   const int me = mpi_->rank();
   std::vector<int64_t> recv(mpi_->size());
   for (int j = 0; j < mpi_->size(); ++j) recv[j] = w.response->splits[j][me];
   Shape out_shape = m.tensors[0].shape;
   out_shape[0] = 0;
   for (int64_t r : recv) out_shape[0] += r;
-  void* out = w.request->allocate(0, out_shape);
+  void* out = Allocate(dev, w.request, 0, out_shape);
   auto* received = static_cast<int64_t*>(w.request->allocate(1, Shape{static_cast<int64_t>(recv.size())}));
-  std::copy(recv.begin(), recv.end(), received);
-  collectives_.Alltoall(w.request->inputs[0], out, m.splits, recv, RowBytes(m.tensors[0]));
+  std::copy(recv.begin(), recv.end(), received);  // host memory on every device
+  const int64_t row = RowBytes(m.tensors[0]);
+  void* in = Stage(dev, CudaDevice::kSendSlot, const_cast<void*>(w.request->inputs[0]), TensorBytes(m.tensors[0]), true);
+  void* view = Stage(dev, CudaDevice::kRecvSlot, out, out_shape[0] * row, false);
+  collectives_.Alltoall(in, view, m.splits, recv, row);
+  Unstage(dev, out, view, out_shape[0] * row);
+  Settle(dev, {w.request});
 }
 
 void Executor::RunReducescatter(const Work& w) {
   const RequestMeta& m = w.request->meta;
+  Device& dev = DeviceOf(w.request);
   const int n = mpi_->size();
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     const TensorMeta& tm = m.tensors[t];
     const int64_t rows = tm.shape[0], row_elems = RowBytes(tm) / DataTypeSize(tm.dtype);
     std::vector<int64_t> counts(n);
     for (int r = 0; r < n; ++r) counts[r] = (rows / n + (r < rows % n ? 1 : 0)) * row_elems;
-    const void* in = w.request->inputs[t];
-    std::vector<char> scaled;
+    void* in = const_cast<void*>(w.request->inputs[t]);
     if (m.prescale != 1.0) {
-      scaled.resize(TensorBytes(tm));
-      ScaleCopy(scaled.data(), in, NumElements(tm.shape), tm.dtype, m.prescale);
-      in = scaled.data();
+      void* scaled = dev.Scratch(TensorBytes(tm));
+      if (scaled) dev.ScaleCopy({{scaled, in, NumElements(tm.shape), m.prescale}}, tm.dtype);
+      in = scaled;
     }
     void* out = w.request->outputs[t];
-    collectives_.ReduceScatter(in, out, counts, tm.dtype, m.op);
+    const int64_t out_bytes = counts[mpi_->rank()] * static_cast<int64_t>(DataTypeSize(tm.dtype));
+    void* in_view = Stage(dev, CudaDevice::kSendSlot, in, TensorBytes(tm), true);
+    void* out_view = Stage(dev, CudaDevice::kRecvSlot, out, out_bytes, false);
+    collectives_.ReduceScatter(in_view, out_view, counts, tm.dtype, m.op);
+    Unstage(dev, out, out_view, out_bytes);
     const double post = PostScale(m, mpi_->size());
-    if (post != 1.0) ScaleCopy(out, out, counts[mpi_->rank()], tm.dtype, post);
+    if (post != 1.0) dev.ScaleCopy({{out, out, counts[mpi_->rank()], post}}, tm.dtype);
   }
+  Settle(dev, {w.request});
 }
 
 void Executor::RunBroadcast(const Work& w) {
   const RequestMeta& m = w.request->meta;
+  Device& dev = DeviceOf(w.request);
+  const bool root = mpi_->rank() == m.root;
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     const int64_t bytes = TensorBytes(m.tensors[t]);
     void* out = w.request->outputs[t];
-    if (mpi_->rank() == m.root && out != w.request->inputs[t]) std::memcpy(out, w.request->inputs[t], bytes);
-    collectives_.Broadcast(out, bytes, m.root);
+    if (root && out != w.request->inputs[t]) dev.ScaleCopy({{out, w.request->inputs[t], bytes, 1.0}}, DataType::kUInt8);
+    void* view = Stage(dev, CudaDevice::kRecvSlot, out, bytes, root);
+    collectives_.Broadcast(view, bytes, m.root);
+    if (!root) Unstage(dev, out, view, bytes);
   }
+  Settle(dev, {w.request});
 }
 
 }  // namespace tfmpi

@@ -5,12 +5,16 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "collectives.h"
+#include "cuda_device.h"
+#include "device.h"
 #include "env.h"
+#include "gpu_transport.h"
 #include "request.h"
 #include "response_cache.h"
 #include "timeline.h"
@@ -21,17 +25,21 @@ namespace tfmpi {
 using InFlight = std::unordered_map<std::string, std::unique_ptr<Request>>;
 
 // Counters since process start, read from other threads: requests completed,
-// requests failed, allreduce buckets (one fused buffer or direct tensor each)
-// and, on rank 0, allreduces held back to go with later ones (holdback.h).
+// requests failed, allreduce buckets (one fused buffer or direct tensor each),
+// on rank 0 allreduces held back to go with later ones (holdback.h), and for
+// GPU requests the bytes each transport moved (gpu_transport.h).
 struct ExecutorStats {
   std::atomic<int64_t> requests{0}, errors{0}, allreduce_buckets{0}, held_back{0};
+  std::atomic<int64_t> gpu_requests{0}, gpu_staged_bytes{0}, gpu_direct_bytes{0};
 };
 
 class Executor {
  public:
-  Executor(const MpiContext* mpi, const EngineConfig& config, ExecutorStats* stats, Timeline* timeline)
-      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes, config.yield_bytes), tunables_(config.tunables),
-        stats_(stats), timeline_(timeline) {}
+  Executor(const MpiContext* mpi, const EngineConfig& config, GpuTransport gpu_transport, ExecutorStats* stats,
+           Timeline* timeline)
+      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes, config.yield_bytes),
+        gpu_(&collectives_, gpu_transport, config.gpu_chunk_bytes), tunables_(config.tunables), stats_(stats),
+        timeline_(timeline) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
@@ -53,10 +61,32 @@ class Executor {
   // Average divides by the ranks that contributed (not those that joined).
   double PostScale(const RequestMeta& m, int contributors) const;
 
+  // The memory a request's buffers live in: the host, or the GPU it names
+  // (whose stream is then made to wait for the request's producer).
+  Device& DeviceOf(Request* r);
+  // Output `index` of `r`, allocated now that its shape is known.
+  void* Allocate(Device& dev, Request* r, size_t index, const Shape& shape);
+  // Where MPI reads and writes `bytes` at `ptr` of `dev` (gpu_transport.h);
+  // the identity on the host.
+  void* Stage(Device& dev, int slot, void* ptr, int64_t bytes, bool copy_in);
+  void Unstage(Device& dev, void* ptr, void* view, int64_t bytes);
+  // Reduces `buf` in place on `dev`.
+  void ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op);
+  // Waits for `dev`, and fails `reqs` with its error if it had one.
+  void Settle(Device& dev, const std::vector<Request*>& reqs);
+
   const MpiContext* mpi_;
   Collectives collectives_;
+  GpuCollectives gpu_;
   Tunables tunables_;  // changed only by kSettings decisions, so identical on all ranks
-  std::vector<char> fusion_buffer_;  // reused across steps; grows to the threshold
+  HostDevice host_;
+  // One GPU per rank (as in Horovod): created for the first GPU request.
+  std::unique_ptr<CudaDevice> cuda_;
+  // The GPU is current on the executing thread (which may be a caller that
+  // drives the protocol) from the first GPU request of a Run() to its end.
+  std::optional<ScopedCudaDevice> on_gpu_;
+  // Requests whose device work failed; completed with that error.
+  std::unordered_map<const Request*, Status> failed_;
   ExecutorStats* stats_;
   Timeline* timeline_;
   std::chrono::steady_clock::time_point decided_;  // when the running batch was decided/received

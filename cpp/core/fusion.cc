@@ -1,17 +1,21 @@
 #include "fusion.h"
 
 #include <map>
-#include <utility>
+#include <tuple>
 
 namespace tfmpi {
 
 std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64_t threshold, int64_t direct_bytes) {
   std::vector<FusionBucket> out;
-  // Open bucket per (dtype, op); buckets are emitted in order of their first item.
-  std::map<std::pair<DataType, ReduceOp>, size_t> open;
+  // Open bucket per (dtype, op, memory); buckets are emitted in order of their first item.
+  std::map<std::tuple<DataType, ReduceOp, bool>, size_t> open;
   for (size_t i = 0; i < items.size(); ++i) {
     const FusionItem& it = items[i];
-    if (threshold <= 0 || it.bytes >= threshold || (direct_bytes > 0 && it.bytes >= direct_bytes)) {
+    // GPU tensors are fused whatever their size: the copies into the buffer
+    // run at device-memory speed, far above the transfer's, and each bucket
+    // costs a round trip to the host (staged) or a stream synchronisation.
+    const bool large = direct_bytes > 0 && it.bytes >= direct_bytes && !it.gpu;
+    if (threshold <= 0 || it.bytes >= threshold || large) {
       FusionBucket b;
       b.items = {i};
       b.direct = true;
@@ -20,7 +24,7 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionItem>& items, int64
       continue;
     }
     const ReduceOp op = it.op == ReduceOp::kAverage ? ReduceOp::kSum : it.op;
-    auto key = std::make_pair(it.dtype, op);
+    auto key = std::make_tuple(it.dtype, op, it.gpu);
     auto found = open.find(key);
     if (found == open.end() || out[found->second].bytes + it.bytes > threshold) {
       out.emplace_back();

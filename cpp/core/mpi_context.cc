@@ -145,6 +145,8 @@ MPI_Datatype MpiContext::Type(DataType t) const {
     case DataType::kFloat32: return MPI_FLOAT;
     case DataType::kFloat64: return MPI_DOUBLE;
     case DataType::kBool: return MPI_C_BOOL;
+    case DataType::kInt16: return MPI_INT16_T;
+    case DataType::kUInt16: return MPI_UINT16_T;
     default: return MPI_DATATYPE_NULL;
   }
 }

@@ -29,6 +29,7 @@ std::string FirstDifference(const RequestMeta& a, const RequestMeta& b) {
     if (a.postscale != b.postscale) return "postscale_factor";
   }
   if (a.type == CollectiveType::kBroadcast && a.root != b.root) return "root rank";
+  if (a.gpu != b.gpu) return "device";
   return "";
 }
 
@@ -46,6 +47,7 @@ std::string FieldValue(const RequestMeta& m, const std::string& field) {
   else if (base == "prescale_factor") os << m.prescale;
   else if (base == "postscale_factor") os << m.postscale;
   else if (base == "root rank") os << m.root;
+  else if (base == "device") os << (m.gpu ? "GPU" : "CPU");
   return os.str();
 }
 

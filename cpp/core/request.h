@@ -32,6 +32,10 @@ struct RequestMeta {
   int32_t root = 0;
   std::vector<TensorMeta> tensors;
   std::vector<int64_t> splits;  // alltoall: rows this rank sends to each rank
+  // The tensors are in GPU memory. Negotiated (every rank must agree, as in
+  // Horovod), so that every rank cuts the same fusion buckets; the GPU's
+  // ordinal is per rank (Request::device).
+  bool gpu = false;
 };
 
 using DoneCallback = std::function<void(const Status&)>;
@@ -44,9 +48,19 @@ struct Request {
   std::vector<const void*> inputs;
   std::vector<void*> outputs;   // preallocated outputs (allreduce, broadcast)
   OutputAllocator allocate;     // outputs sized by negotiation (allgather)
-  // -1 = host memory. A GPU path would set the device here and let the
-  // executor either pass device pointers to a CUDA-aware MPI or stage them.
+  // -1 = host memory, else the CUDA device ordinal holding inputs and
+  // outputs (then meta.gpu is true). The executor moves them through the GPU
+  // transport (gpu_transport.h): device pointers to a CUDA-aware MPI, or
+  // staged through pinned host memory.
   int device = -1;
+  // GPU requests: the stream (cudaStream_t) whose queued work produces the
+  // inputs and will consume the outputs, e.g. TensorFlow's compute stream or a
+  // CUDA array's interface stream. The engine's own stream waits on an event
+  // recorded on it at submission; nullptr: the inputs are ready now.
+  void* stream = nullptr;
+  // GPU requests: set by Engine::Enqueue from `stream` (cuda_device.h); the
+  // event the engine's stream waits on before reading the inputs.
+  void* ready_event = nullptr;
   DoneCallback done;
 };
 

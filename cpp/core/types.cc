@@ -9,6 +9,7 @@ constexpr TypeInfo kTypes[] = {
     {"uint8", 1, false},   {"int8", 1, false},     {"int32", 4, false},
     {"int64", 8, false},   {"float16", 2, true},   {"bfloat16", 2, true},
     {"float32", 4, true},  {"float64", 8, true},   {"bool", 1, false},
+    {"int16", 2, false},   {"uint16", 2, false},
 };
 static_assert(sizeof(kTypes) / sizeof(kTypes[0]) == static_cast<size_t>(DataType::kNumTypes),
               "kTypes must list every DataType");

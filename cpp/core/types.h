@@ -11,7 +11,7 @@ namespace tfmpi {
 // Wire values are stable: they travel between ranks during negotiation.
 enum class DataType : uint8_t {
   kUInt8 = 0, kInt8, kInt32, kInt64, kFloat16, kBFloat16, kFloat32, kFloat64,
-  kBool, kNumTypes
+  kBool, kInt16, kUInt16, kNumTypes
 };
 
 enum class ReduceOp : uint8_t { kAverage = 0, kSum, kMin, kMax, kProduct, kAdasum };

@@ -14,7 +14,7 @@ class Writer {
   void Str(const std::string& s) { Pod<uint32_t>(s.size()); buf.insert(buf.end(), s.begin(), s.end()); }
   void Meta(const RequestMeta& m) {
     Str(m.name);
-    Pod(m.type); Pod(m.op); Pod(m.prescale); Pod(m.postscale); Pod(m.root);
+    Pod(m.type); Pod(m.op); Pod(m.prescale); Pod(m.postscale); Pod(m.root); Pod(m.gpu);
     Pod<uint32_t>(m.tensors.size());
     for (const auto& t : m.tensors) {
       Pod(t.dtype);
@@ -50,7 +50,7 @@ class Reader {
     RequestMeta m;
     m.name = Str();
     m.type = Pod<CollectiveType>(); m.op = Pod<ReduceOp>();
-    m.prescale = Pod<double>(); m.postscale = Pod<double>(); m.root = Pod<int32_t>();
+    m.prescale = Pod<double>(); m.postscale = Pod<double>(); m.root = Pod<int32_t>(); m.gpu = Pod<bool>();
     m.tensors.resize(Pod<uint32_t>());
     for (auto& t : m.tensors) {
       t.dtype = Pod<DataType>();

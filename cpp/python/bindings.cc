@@ -1,5 +1,7 @@
 // tf_mpi._core: a thin pybind11 binding of the engine: runtime queries and
-// numpy-level collectives. Collectives release the GIL while they wait.
+// array-level collectives. Collectives take numpy arrays (host memory) or any
+// object with __cuda_array_interface__ (v3: CuPy, PyTorch, Numba, ...; GPU
+// memory, results returned as DeviceArray), and release the GIL while they wait.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -7,6 +9,7 @@
 #include <future>
 #include <memory>
 
+#include "../core/cuda_device.h"
 #include "../core/engine.h"
 
 namespace py = pybind11;
@@ -32,13 +35,128 @@ DataType ToDataType(const py::dtype& dt) {
   static const std::pair<const char*, DataType> table[] = {
       {"uint8", DataType::kUInt8},     {"int8", DataType::kInt8},         {"int32", DataType::kInt32},
       {"int64", DataType::kInt64},     {"float16", DataType::kFloat16},   {"bfloat16", DataType::kBFloat16},
-      {"float32", DataType::kFloat32}, {"float64", DataType::kFloat64},   {"bool", DataType::kBool}};
+      {"float32", DataType::kFloat32}, {"float64", DataType::kFloat64},   {"bool", DataType::kBool},
+      {"int16", DataType::kInt16},     {"uint16", DataType::kUInt16}};
   for (const auto& [n, t] : table)
     if (name == n) return t;
   throw py::type_error("tf_mpi: unsupported dtype " + name);
 }
 
 Shape ShapeOf(const py::array& a) { return Shape(a.shape(), a.shape() + a.ndim()); }
+
+// ---- GPU arrays ---------------------------------------------------------
+
+// A CUDA array as the engine needs it, read from __cuda_array_interface__.
+// Plain C++ only: copies of it travel to the engine thread, where Python
+// objects must not be touched.
+struct CudaArrayView {
+  void* ptr = nullptr;
+  DataType dtype = DataType::kFloat32;
+  std::string typestr;  // numpy's spelling, e.g. "<f4"
+  size_t itemsize = 0;
+  Shape shape;
+  int device = -1;
+  void* stream = nullptr;  // the producer's stream; nullptr: no ordering needed
+};
+
+bool IsCudaArray(const py::handle& obj) { return py::hasattr(obj, "__cuda_array_interface__"); }
+
+CudaArrayView ParseCudaArray(const py::handle& obj) {
+  py::dict cai = obj.attr("__cuda_array_interface__");
+  CudaArrayView v;
+  for (py::handle d : cai["shape"].cast<py::tuple>()) v.shape.push_back(d.cast<int64_t>());
+  const py::dtype dtype(cai["typestr"].cast<std::string>());
+  v.dtype = ToDataType(dtype);
+  v.typestr = py::str(dtype.attr("str"));
+  v.itemsize = dtype.itemsize();
+  v.ptr = reinterpret_cast<void*>(cai["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+  if (cai.contains("strides") && !cai["strides"].is_none()) {
+    // Accept explicit strides only when they describe a C-contiguous array.
+    int64_t expect = static_cast<int64_t>(v.itemsize);
+    auto strides = cai["strides"].cast<std::vector<int64_t>>();
+    for (int i = static_cast<int>(v.shape.size()) - 1; i >= 0; --i) {
+      if (v.shape[i] > 1 && strides.at(i) != expect)
+        throw py::value_error("tf_mpi: CUDA arrays must be C-contiguous (make a contiguous copy first)");
+      expect *= v.shape[i];
+    }
+  }
+  if (cai.contains("stream") && !cai["stream"].is_none()) {
+    const auto stream = cai["stream"].cast<uintptr_t>();
+    // 0 is disallowed by the interface (ambiguous); 1 and 2 are the legacy and
+    // per-thread default streams, which CUDA accepts as handles as they are.
+    if (stream == 0) throw py::value_error("tf_mpi: __cuda_array_interface__ stream 0 is not allowed (v3)");
+    v.stream = reinterpret_cast<void*>(stream);
+  }
+  if (NumElements(v.shape) > 0) {
+    Raise(PointerDevice(v.ptr, &v.device));
+    if (v.device < 0) throw py::value_error("tf_mpi: __cuda_array_interface__ points at host memory");
+  } else {
+    int dev = 0;
+    const TfMpiCudaApi* api = CudaApi(nullptr);
+    if (api && api->get_device(&dev) == 0) v.device = dev;
+  }
+  return v;
+}
+
+// GPU memory allocated by the engine for a result; hands itself to CuPy,
+// PyTorch, Numba, ... through __cuda_array_interface__ (cupy.asarray(a)).
+// Managed memory in gives managed memory out.
+class DeviceArray {
+ public:
+  // Runs on the engine thread for allgather results: no Python objects here.
+  DeviceArray(int device, Shape shape, std::string typestr, size_t itemsize, bool managed)
+      : device_(device), shape_(std::move(shape)), typestr_(std::move(typestr)) {
+    std::string why;
+    api_ = CudaApi(&why);
+    if (!api_) throw std::runtime_error(why);
+    const size_t bytes = std::max<int64_t>(1, NumElements(shape_)) * itemsize;
+    ScopedCudaDevice on(device_);
+    if (int err = api_->malloc(&ptr_, bytes, managed ? 1 : 0))
+      throw std::runtime_error(std::string("tf_mpi: cannot allocate a GPU result: ") + api_->error_string(err));
+  }
+  ~DeviceArray() {
+    if (ptr_) api_->free(ptr_);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  void* data() const { return ptr_; }
+  int device() const { return device_; }
+  const Shape& shape() const { return shape_; }
+  py::dict Interface() const {
+    py::tuple shape(shape_.size());
+    for (size_t i = 0; i < shape_.size(); ++i) shape[i] = shape_[i];
+    // The engine finished writing before the call returned: no stream to order after.
+    return py::dict(py::arg("shape") = shape, py::arg("typestr") = typestr_,
+                    py::arg("data") = py::make_tuple(reinterpret_cast<uintptr_t>(ptr_), false),
+                    py::arg("strides") = py::none(), py::arg("stream") = py::none(), py::arg("version") = 3);
+  }
+
+ private:
+  const TfMpiCudaApi* api_ = nullptr;
+  void* ptr_ = nullptr;
+  int device_;
+  Shape shape_;
+  std::string typestr_;
+};
+
+bool IsManaged(const void* ptr) {
+  const TfMpiCudaApi* api = CudaApi(nullptr);
+  int managed = 0;
+  return api && ptr && api->pointer_is_managed(ptr, &managed) == 0 && managed;
+}
+
+std::unique_ptr<Request> MakeGpuRequest(CollectiveType type, const std::string& name, const CudaArrayView& v) {
+  auto req = std::make_unique<Request>();
+  req->meta.name = name;
+  req->meta.type = type;
+  req->meta.gpu = true;
+  req->meta.tensors.push_back({v.dtype, v.shape});
+  req->inputs.push_back(v.ptr);
+  req->device = v.device;
+  req->stream = v.stream;
+  return req;
+}
 
 // Submits one request and blocks (without the GIL) until it completes.
 void Run(std::unique_ptr<Request> req) {
@@ -63,44 +181,134 @@ std::unique_ptr<Request> MakeRequest(CollectiveType type, const std::string& nam
   return req;
 }
 
-py::array Allreduce(py::array in, int op, const std::string& name, double prescale, double postscale) {
+// The output of a collective whose output shape is known before it runs:
+// a numpy array for host input, a DeviceArray on the input's GPU for CUDA input.
+struct Output {
+  py::object array;
+  void* data;
+};
+
+Output MakeOutput(const py::object& in, const CudaArrayView* gpu, const Shape& shape) {
+  if (gpu) {
+    auto out = std::make_shared<DeviceArray>(gpu->device, shape, gpu->typestr, gpu->itemsize, IsManaged(gpu->ptr));
+    return {py::cast(out), out->data()};
+  }
+  py::array a(py::array(in).dtype(), std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  return {a, a.mutable_data()};
+}
+
+// Builds the request for `in` (numpy or CUDA array); `view` is filled for CUDA input.
+std::unique_ptr<Request> Prepare(CollectiveType type, const std::string& name, py::object& in,
+                                 std::optional<CudaArrayView>* view) {
+  if (IsCudaArray(in)) {
+    *view = ParseCudaArray(in);
+    return MakeGpuRequest(type, name, **view);
+  }
   in = py::array::ensure(in, py::array::c_style);
-  py::array out(in.dtype(), std::vector<py::ssize_t>(in.shape(), in.shape() + in.ndim()));
-  auto req = MakeRequest(CollectiveType::kAllreduce, name, in);
+  if (!in) throw py::type_error("tf_mpi: expected a numpy array or an object with __cuda_array_interface__");
+  return MakeRequest(type, name, in.cast<py::array>());
+}
+
+py::object Allreduce(py::object in, int op, const std::string& name, double prescale, double postscale) {
+  std::optional<CudaArrayView> gpu;
+  auto req = Prepare(CollectiveType::kAllreduce, name, in, &gpu);
   req->meta.op = static_cast<ReduceOp>(op);
   req->meta.prescale = prescale;
   req->meta.postscale = postscale;
-  req->outputs.push_back(out.mutable_data());
+  Output out = MakeOutput(in, gpu ? &*gpu : nullptr, req->meta.tensors[0].shape);
+  req->outputs.push_back(out.data);
   Run(std::move(req));
-  return out;
+  return out.array;
 }
 
-py::array Allgather(py::array in, const std::string& name) {
-  in = py::array::ensure(in, py::array::c_style);
-  auto req = MakeRequest(CollectiveType::kAllgather, name, in);
+// One request for several arrays (all numpy, or all CUDA arrays on one GPU):
+// negotiated and fused as a unit, like TensorFlow's grouped allreduce.
+py::list GroupedAllreduce(py::list arrays, int op, const std::string& name, double prescale, double postscale) {
+  if (arrays.size() == 0) throw py::value_error("tf_mpi: grouped_allreduce needs at least one array");
+  std::unique_ptr<Request> req;
+  py::list outs, inputs;  // `inputs` keeps contiguous copies alive until the collective ends
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    py::object in = arrays[i];
+    std::optional<CudaArrayView> gpu;
+    auto one = Prepare(CollectiveType::kAllreduce, name, in, &gpu);
+    inputs.append(in);
+    if (!req) {
+      req = std::move(one);
+    } else {
+      if (req->meta.gpu != one->meta.gpu || req->device != one->device)
+        throw py::value_error("tf_mpi: grouped_allreduce arrays must all be numpy arrays or all on one GPU");
+      req->meta.tensors.push_back(one->meta.tensors[0]);
+      req->inputs.push_back(one->inputs[0]);
+      // Ordered after the first array's stream: CuPy, for one, reports the
+      // current stream for every array.
+      if (!req->stream) req->stream = one->stream;
+    }
+    Output out = MakeOutput(in, gpu ? &*gpu : nullptr, req->meta.tensors.back().shape);
+    req->outputs.push_back(out.data);
+    outs.append(out.array);
+  }
+  req->meta.op = static_cast<ReduceOp>(op);
+  req->meta.prescale = prescale;
+  req->meta.postscale = postscale;
+  Run(std::move(req));
+  return outs;
+}
+
+py::object Broadcast(py::object in, int root, const std::string& name) {
+  std::optional<CudaArrayView> gpu;
+  auto req = Prepare(CollectiveType::kBroadcast, name, in, &gpu);
+  req->meta.root = root;
+  Output out = MakeOutput(in, gpu ? &*gpu : nullptr, req->meta.tensors[0].shape);
+  req->outputs.push_back(out.data);
+  Run(std::move(req));
+  return out.array;
+}
+
+py::object Reducescatter(py::object in, int op, const std::string& name, double prescale, double postscale) {
+  std::optional<CudaArrayView> gpu;
+  auto req = Prepare(CollectiveType::kReducescatter, name, in, &gpu);
+  req->meta.op = static_cast<ReduceOp>(op);
+  req->meta.prescale = prescale;
+  req->meta.postscale = postscale;
+  // Rank r keeps rows [r * q + min(r, rem), ...): the first `rem` ranks get one more.
+  Shape shape = req->meta.tensors[0].shape;
+  if (shape.empty()) throw py::value_error("tf_mpi: reducescatter needs an array with at least one dimension");
+  const int n = Ctx().size(), r = Ctx().rank();
+  shape[0] = shape[0] / n + (r < shape[0] % n ? 1 : 0);
+  Output out = MakeOutput(in, gpu ? &*gpu : nullptr, shape);
+  req->outputs.push_back(out.data);
+  Run(std::move(req));
+  return out.array;
+}
+
+py::object Allgather(py::object in, const std::string& name) {
+  std::optional<CudaArrayView> gpu;
+  auto req = Prepare(CollectiveType::kAllgather, name, in, &gpu);
   // The output size is known only after negotiation, on the engine thread,
-  // where Python objects must not be touched: gather into a C++ buffer.
+  // where Python objects must not be touched: gather into a C++ buffer
+  // (host) or a DeviceArray created there (GPU).
   auto buffer = std::make_shared<std::vector<char>>();
   auto shape = std::make_shared<Shape>();
-  const size_t elem = in.itemsize();
+  if (gpu) {
+    auto holder = std::make_shared<std::shared_ptr<DeviceArray>>();
+    const CudaArrayView v = *gpu;
+    const bool managed = IsManaged(v.ptr);
+    req->allocate = [holder, v, managed](size_t, const Shape& s) -> void* {
+      *holder = std::make_shared<DeviceArray>(v.device, s, v.typestr, v.itemsize, managed);
+      return (*holder)->data();
+    };
+    Run(std::move(req));
+    return py::cast(*holder);
+  }
+  const size_t elem = py::array(in).itemsize();
   req->allocate = [buffer, shape, elem](size_t, const Shape& s) -> void* {
     *shape = s;
     buffer->resize(std::max<int64_t>(1, NumElements(s)) * elem);
     return buffer->data();
   };
   Run(std::move(req));
-  py::array out(in.dtype(), std::vector<py::ssize_t>(shape->begin(), shape->end()));
+  py::array out(py::array(in).dtype(), std::vector<py::ssize_t>(shape->begin(), shape->end()));
   std::memcpy(out.mutable_data(), buffer->data(), NumElements(*shape) * elem);
-  return out;
-}
-
-py::array Broadcast(py::array in, int root, const std::string& name) {
-  in = py::array::ensure(in, py::array::c_style);
-  py::array out(in.dtype(), std::vector<py::ssize_t>(in.shape(), in.shape() + in.ndim()));
-  auto req = MakeRequest(CollectiveType::kBroadcast, name, in);
-  req->meta.root = root;
-  req->outputs.push_back(out.mutable_data());
-  Run(std::move(req));
   return out;
 }
 
@@ -144,10 +352,34 @@ PYBIND11_MODULE(_core, m) {
   m.def("stats", [] {
     const ExecutorStats& s = E().stats();
     return py::dict(py::arg("requests") = s.requests.load(), py::arg("errors") = s.errors.load(),
-                    py::arg("allreduce_buckets") = s.allreduce_buckets.load(), py::arg("held_back") = s.held_back.load());
+                    py::arg("allreduce_buckets") = s.allreduce_buckets.load(), py::arg("held_back") = s.held_back.load(),
+                    py::arg("gpu_requests") = s.gpu_requests.load(),
+                    py::arg("gpu_staged_bytes") = s.gpu_staged_bytes.load(),
+                    py::arg("gpu_direct_bytes") = s.gpu_direct_bytes.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
-     "and (rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE).");
+     "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
+     "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI).");
+  py::class_<DeviceArray, std::shared_ptr<DeviceArray>>(
+      m, "DeviceArray",
+      "GPU memory holding a collective's result; use it through __cuda_array_interface__, e.g. cupy.asarray(a).")
+      .def_property_readonly("__cuda_array_interface__", &DeviceArray::Interface)
+      .def_property_readonly("shape", [](const DeviceArray& a) { return a.shape(); })
+      .def_property_readonly("device", &DeviceArray::device);
+  m.def("cuda_built", [] { return CudaPartInstalled(); },
+        "Whether tf_mpi's CUDA part (libtfmpi_cuda.so) was built and installed.");
+  m.def("gpu_transport", [] {
+    Ctx();
+    const GpuTransportChoice& c = E().gpu_transport();
+    return py::dict(py::arg("transport") = GpuTransportName(c.transport),
+                    py::arg("mpi_cuda_aware") = c.mpi_cuda_aware, py::arg("reason") = c.reason);
+  }, "How GPU tensors reach MPI in this process: 'direct' (device pointers to a CUDA-aware MPI) or 'staged'\n"
+     "(pinned host buffers, pipelined), the MPI's own answer (1, 0, -1: no query) and why.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("op"), py::arg("name"),
+        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
+  m.def("grouped_allreduce", &GroupedAllreduce, py::arg("arrays"), py::arg("op"), py::arg("name"),
+        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
+        "Allreduces several arrays as one negotiated, fused unit; returns the results in order.");
+  m.def("reducescatter", &Reducescatter, py::arg("array"), py::arg("op"), py::arg("name"),
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
   m.def("join", [] {
     auto req = std::make_unique<Request>();

@@ -1,8 +1,17 @@
 // TensorFlow kernels: translate tensors into engine Requests and the engine's
 // Status back into TensorFlow errors. All collective work is in cpp/core.
+//
+// Every collective has a CPU and a GPU kernel, both this file's CollectiveOp.
+// The GPU kernels touch CUDA only through the engine: from TensorFlow they take
+// public virtual APIs (DeviceContext::stream, Stream::platform_specific_handle,
+// AcceleratorDeviceInfo::gpu_id), so this file compiles against the headers of
+// any TensorFlow wheel, tensorflow-cpu included, without a CUDA toolkit and
+// without forward-declaring TensorFlow internals (Horovod's declaration of
+// stream_executor::gpu::AsGpuStreamValue broke its build across versions).
 #include <memory>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "xla/stream_executor/stream.h"
 #include "../core/engine.h"
 
 namespace tensorflow {
@@ -19,6 +28,8 @@ tfmpi::DataType ToEngineType(DataType t) {
     case DT_FLOAT: return tfmpi::DataType::kFloat32;
     case DT_DOUBLE: return tfmpi::DataType::kFloat64;
     case DT_BOOL: return tfmpi::DataType::kBool;
+    case DT_INT16: return tfmpi::DataType::kInt16;
+    case DT_UINT16: return tfmpi::DataType::kUInt16;
     default: return tfmpi::DataType::kNumTypes;  // rejected by the engine
   }
 }
@@ -33,11 +44,44 @@ absl::Status ToTfStatus(const tfmpi::Status& s) {
   }
 }
 
+// Marks `req` as a GPU request on the device `ctx` runs on. The tensors are
+// produced by kernels TensorFlow has queued on its compute stream, which may
+// not have run yet. The engine gets that stream: it records an event on it at
+// submission and its own stream waits for the event before reading the inputs.
+// That orders the collective after its producers on the GPU without blocking
+// anyone; synchronizing TensorFlow's stream from the host here would stall
+// this executor thread and drain every kernel queued so far, serializing
+// compute with communication.
+absl::Status SetGpuPlacement(OpKernelContext* ctx, tfmpi::Request* req) {
+  const DeviceBase::AcceleratorDeviceInfo* info = ctx->device()->tensorflow_accelerator_device_info();
+  // gpu_id is the platform (CUDA) ordinal, not TensorFlow's /GPU:<n> index:
+  // they differ under tf.config.set_visible_devices, Horovod's usual
+  // one-GPU-per-rank setup, which leaves every rank's only GPU named /GPU:0.
+  if (info == nullptr || info->gpu_id < 0) {
+    return errors::Internal("tf_mpi: ", ctx->op_kernel().name(), " on ", ctx->device()->name(),
+                            ": the device reports no CUDA ordinal");
+  }
+  DeviceContext* dc = ctx->op_device_context();
+  stream_executor::Stream* stream = dc == nullptr ? nullptr : dc->stream();
+  void* handle = stream == nullptr ? nullptr : stream->platform_specific_handle().stream;
+  if (handle == nullptr) {
+    return errors::Internal("tf_mpi: ", ctx->op_kernel().name(), " on ", ctx->device()->name(),
+                            ": TensorFlow gave the kernel no CUDA stream to order the collective after its inputs");
+  }
+  req->meta.gpu = true;
+  req->device = info->gpu_id;
+  req->stream = handle;
+  return absl::OkStatus();
+}
+
 // One kernel class for every collective: the op's attributes select the
-// collective; inputs become the request's tensors.
+// collective; inputs become the request's tensors. On a GPU device inputs and
+// outputs are device memory (allocate_output allocates there), except the
+// alltoall splits, which the registration keeps in host memory.
 class CollectiveOp : public AsyncOpKernel {
  public:
-  CollectiveOp(OpKernelConstruction* c, tfmpi::CollectiveType type) : AsyncOpKernel(c), type_(type) {
+  CollectiveOp(OpKernelConstruction* c, tfmpi::CollectiveType type)
+      : AsyncOpKernel(c), type_(type), gpu_(c->device_type() == DeviceType(DEVICE_GPU)) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
     if (type == tfmpi::CollectiveType::kAllreduce || type == tfmpi::CollectiveType::kReducescatter) {
@@ -69,6 +113,7 @@ class CollectiveOp : public AsyncOpKernel {
     auto& engine = tfmpi::Engine::Get();
     OP_REQUIRES_ASYNC(ctx, engine.initialized(),
                       errors::FailedPrecondition("tf_mpi has not been initialized; call tf_mpi.init() first"), done);
+    if (gpu_) OP_REQUIRES_OK_ASYNC(ctx, SetGpuPlacement(ctx, req.get()), done);
     const bool alltoall = type_ == tfmpi::CollectiveType::kAlltoall;
     const int num_tensors = alltoall ? 1 : ctx->num_inputs();
     for (int i = 0; i < num_tensors; ++i) {
@@ -111,7 +156,11 @@ class CollectiveOp : public AsyncOpKernel {
         req->meta.splits.assign(s.data(), s.data() + s.size());
       }
     }
-    // Runs on the engine thread once shapes are negotiated (allgather).
+    // Runs on the engine thread once shapes are negotiated (allgather). On a
+    // GPU the memory may have been freed by tensors whose last readers are
+    // still queued on TensorFlow's stream after the submission event; the
+    // engine must order its writes after that stream again, not after the
+    // submission event alone.
     req->allocate = [ctx](size_t i, const tfmpi::Shape& shape) -> void* {
       TensorShape ts;
       for (int64_t d : shape) ts.AddDim(d);
@@ -132,6 +181,7 @@ class CollectiveOp : public AsyncOpKernel {
 
  private:
   tfmpi::CollectiveType type_;
+  bool gpu_;  // registered for DEVICE_GPU: tensors in device memory
   std::string tensor_name_;
   tfmpi::ReduceOp op_ = tfmpi::ReduceOp::kSum;
   float prescale_ = 1.0f, postscale_ = 1.0f;
@@ -144,18 +194,25 @@ class TypedCollectiveOp : public CollectiveOp {
   explicit TypedCollectiveOp(OpKernelConstruction* c) : CollectiveOp(c, kType) {}
 };
 
-REGISTER_KERNEL_BUILDER(Name("TfMpiAllreduce").Device(DEVICE_CPU),
-                        TypedCollectiveOp<tfmpi::CollectiveType::kAllreduce>);
-REGISTER_KERNEL_BUILDER(Name("TfMpiGroupedAllreduce").Device(DEVICE_CPU),
-                        TypedCollectiveOp<tfmpi::CollectiveType::kAllreduce>);
-REGISTER_KERNEL_BUILDER(Name("TfMpiAllgather").Device(DEVICE_CPU),
-                        TypedCollectiveOp<tfmpi::CollectiveType::kAllgather>);
-REGISTER_KERNEL_BUILDER(Name("TfMpiBroadcast").Device(DEVICE_CPU),
-                        TypedCollectiveOp<tfmpi::CollectiveType::kBroadcast>);
+// The same class on both devices (the constructor reads which). No
+// TypeConstraint: the ops' T attributes already list the supported types.
+#define TFMPI_REGISTER_COLLECTIVE(op, type)                                                            \
+  REGISTER_KERNEL_BUILDER(Name(op).Device(DEVICE_CPU), TypedCollectiveOp<tfmpi::CollectiveType::type>); \
+  REGISTER_KERNEL_BUILDER(Name(op).Device(DEVICE_GPU), TypedCollectiveOp<tfmpi::CollectiveType::type>)
+
+TFMPI_REGISTER_COLLECTIVE("TfMpiAllreduce", kAllreduce);
+TFMPI_REGISTER_COLLECTIVE("TfMpiGroupedAllreduce", kAllreduce);
+TFMPI_REGISTER_COLLECTIVE("TfMpiAllgather", kAllgather);
+TFMPI_REGISTER_COLLECTIVE("TfMpiBroadcast", kBroadcast);
+TFMPI_REGISTER_COLLECTIVE("TfMpiReducescatter", kReducescatter);
+#undef TFMPI_REGISTER_COLLECTIVE
+
+// Alltoall's splits are read, and its received_splits written, by the host
+// (the engine negotiates them over MPI before any data moves).
 REGISTER_KERNEL_BUILDER(Name("TfMpiAlltoall").Device(DEVICE_CPU).HostMemory("splits"),
                         TypedCollectiveOp<tfmpi::CollectiveType::kAlltoall>);
-REGISTER_KERNEL_BUILDER(Name("TfMpiReducescatter").Device(DEVICE_CPU),
-                        TypedCollectiveOp<tfmpi::CollectiveType::kReducescatter>);
+REGISTER_KERNEL_BUILDER(Name("TfMpiAlltoall").Device(DEVICE_GPU).HostMemory("splits").HostMemory("received_splits"),
+                        TypedCollectiveOp<tfmpi::CollectiveType::kAlltoall>);
 
 // Scalar runtime queries; fail clearly before init().
 template <int (tfmpi::MpiContext::*Getter)() const>

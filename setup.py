@@ -102,7 +102,11 @@ class BuildTfMpi(build_ext):
         import pybind11
 
         out_dir = os.path.join(ROOT, "tf_mpi") if self.inplace else os.path.join(self.build_lib, "tf_mpi")
-        tmp = os.path.join(ROOT, "build", "obj")
+        # Objects are reused between builds only with the same compiler and
+        # TensorFlow: a different MPI's headers make different objects.
+        import hashlib
+        key = hashlib.sha1(f"{os.path.realpath(mpicxx)} {tf_version} {tf_cflags}".encode()).hexdigest()[:10]
+        tmp = os.path.join(ROOT, "build", "obj", key)
         os.makedirs(out_dir, exist_ok=True)
         os.makedirs(tmp, exist_ok=True)
         abi = [f for f in tf_cflags if "GLIBCXX_USE_CXX11_ABI" in f] or ["-D_GLIBCXX_USE_CXX11_ABI=1"]

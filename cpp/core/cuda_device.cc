@@ -106,7 +106,8 @@ Status RecordReadyEvent(int device, void* stream, void** event) {
   return Status::OK();
 }
 
-CudaDevice::CudaDevice(const TfMpiCudaApi* api, int ordinal) : api_(api), ordinal_(ordinal) {
+CudaDevice::CudaDevice(const TfMpiCudaApi* api, int ordinal, bool managed_scratch)
+    : api_(api), ordinal_(ordinal), managed_scratch_(managed_scratch) {
   ScopedCudaDevice on(ordinal_);
   for (void*& s : streams_) Check(api_->stream_create(&s), "cudaStreamCreate");
   for (void*& e : events_) Check(api_->event_create(&e), "cudaEventCreate");
@@ -142,7 +143,8 @@ void* CudaDevice::Scratch(int64_t bytes) {
       api_->free(scratch_.ptr);
       scratch_ = {};
     }
-    if (Check(api_->malloc(&scratch_.ptr, bytes, 0), "cudaMalloc (fusion buffer)")) scratch_.bytes = bytes;
+    if (Check(api_->malloc(&scratch_.ptr, bytes, managed_scratch_ ? 1 : 0), "cudaMalloc (fusion buffer)"))
+      scratch_.bytes = bytes;
     else scratch_.ptr = nullptr;
   }
   return scratch_.ptr;

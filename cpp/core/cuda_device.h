@@ -48,7 +48,8 @@ class CudaDevice : public Device {
   enum StreamId { kEngine = 0, kUpload = 1 };
   static constexpr int kPipelineDepth = 3;  // pinned chunk buffers in flight
 
-  CudaDevice(const TfMpiCudaApi* api, int ordinal);
+  // `managed_scratch`: the fusion buffer is managed memory (see executor.h).
+  CudaDevice(const TfMpiCudaApi* api, int ordinal, bool managed_scratch);
   ~CudaDevice() override;
 
   int ordinal() const { return ordinal_; }
@@ -84,6 +85,7 @@ class CudaDevice : public Device {
 
   const TfMpiCudaApi* api_;
   int ordinal_;
+  bool managed_scratch_;
   std::array<void*, 2> streams_{};
   std::array<void*, 2 * kPipelineDepth> events_{};  // see Record()
   struct Buffer { void* ptr = nullptr; int64_t bytes = 0; };

@@ -80,9 +80,9 @@ int64_t RequestBytes(const Request& r) {
 }  // namespace
 
 struct Engine::Protocol {
-  Protocol(const MpiContext* mpi, const EngineConfig& config, GpuTransport gpu_transport, ExecutorStats* stats,
+  Protocol(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu, ExecutorStats* stats,
            Timeline* timeline)
-      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, gpu_transport, stats, timeline) {
+      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, gpu, stats, timeline) {
     if (mpi->rank() == 0)
       coord = std::make_unique<Coordinator>(mpi->size(), &cache, config.stall_check_s, config.stall_shutdown_s, timeline);
     if (mpi->rank() == 0 && config.autotune != AutotuneScope::kOff)
@@ -133,7 +133,7 @@ Status Engine::Init(const InitOptions& opts) {
   // Asking the MPI needs no GPU and no CUDA library, so the transport is known
   // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
-  protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_.transport, &stats_, &timeline_);
+  protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, &stats_, &timeline_);
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {
     s = StartTimeline(path);
@@ -427,7 +427,11 @@ bool Engine::Step(Protocol& p) {
     }
     std::vector<Decision> decisions = HoldBack(p, p.coord->TakeDecisions(), now);
     if (p.tuner && !p.tuner->finished()) Autotune(p, now, &decisions);
-    if (p.stop_announced) decisions.push_back({Decision::Kind::kCoordinatorGone, 0, {}, -1});
+    if (p.stop_announced) {
+      Decision gone;
+      gone.kind = Decision::Kind::kCoordinatorGone;
+      decisions.push_back(gone);
+    }
     if (!decisions.empty()) {
       progressed = true;
       auto encoded = std::make_shared<std::vector<char>>(Encode(decisions));

@@ -51,7 +51,7 @@ Device& Executor::DeviceOf(Request* r) {
   if (!on_gpu_) on_gpu_.emplace(r->device);
   if (!cuda_) {
     // Enqueue admitted the request only after loading the CUDA part.
-    cuda_ = std::make_unique<CudaDevice>(CudaApi(nullptr), r->device);
+    cuda_ = std::make_unique<CudaDevice>(CudaApi(nullptr), r->device, managed_scratch_);
   }
   if (r->ready_event) {
     cuda_->WaitAndRelease(r->ready_event);

@@ -35,11 +35,12 @@ struct ExecutorStats {
 
 class Executor {
  public:
-  Executor(const MpiContext* mpi, const EngineConfig& config, GpuTransport gpu_transport, ExecutorStats* stats,
+  Executor(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu, ExecutorStats* stats,
            Timeline* timeline)
       : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes, config.yield_bytes),
-        gpu_(&collectives_, gpu_transport, config.gpu_chunk_bytes), tunables_(config.tunables), stats_(stats),
-        timeline_(timeline) {}
+        gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
+        managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
+        stats_(stats), timeline_(timeline) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
@@ -78,6 +79,10 @@ class Executor {
   const MpiContext* mpi_;
   Collectives collectives_;
   GpuCollectives gpu_;
+  // The direct transport was forced on an MPI that does not report CUDA
+  // support: the engine's own GPU buffers are then managed (CPU-accessible)
+  // memory, so such an MPI can still read them (with managed-memory tensors).
+  bool managed_scratch_;
   Tunables tunables_;  // changed only by kSettings decisions, so identical on all ranks
   HostDevice host_;
   // One GPU per rank (as in Horovod): created for the first GPU request.

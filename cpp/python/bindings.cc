@@ -11,6 +11,7 @@
 
 #include "../core/cuda_device.h"
 #include "../core/engine.h"
+#include "../core/logging.h"
 
 namespace py = pybind11;
 using namespace tfmpi;
@@ -294,7 +295,13 @@ py::object Allgather(py::object in, const std::string& name) {
     const CudaArrayView v = *gpu;
     const bool managed = IsManaged(v.ptr);
     req->allocate = [holder, v, managed](size_t, const Shape& s) -> void* {
-      *holder = std::make_shared<DeviceArray>(v.device, s, v.typestr, v.itemsize, managed);
+      try {
+        *holder = std::make_shared<DeviceArray>(v.device, s, v.typestr, v.itemsize, managed);
+      } catch (const std::exception& e) {
+        // The other ranks are already in the collective: end the job clearly.
+        LogError(std::string("cannot allocate an allgather result: ") + e.what());
+        Engine::Abort(1);
+      }
       return (*holder)->data();
     };
     Run(std::move(req));

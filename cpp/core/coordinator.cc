@@ -37,7 +37,8 @@ void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
   if (departed_count_ > 0) {
     std::vector<int> gone;
     for (int r = 0; r < size_; ++r) if (departed_[r]) gone.push_back(r);
-    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: " + RankList(gone) + " called shutdown()");
+    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: " + RankList(gone) + " called shutdown()",
+         StatusCode::kAborted);
     return;
   }
   if (meta.type == CollectiveType::kJoin) {
@@ -152,9 +153,10 @@ void Coordinator::Decide(const std::string& name, Pending& p, Clock::time_point 
   decisions_.push_back(std::move(d));
 }
 
-void Coordinator::Fail(const std::string& name, const std::string& why) {
+void Coordinator::Fail(const std::string& name, const std::string& why, StatusCode code) {
   Decision d;
   d.kind = Decision::Kind::kError;
+  d.error_code = code;
   d.response.kind = Response::Kind::kError;
   d.response.meta.name = name;
   d.response.error = why;
@@ -168,7 +170,7 @@ void Coordinator::Departed(int rank) {
   }
   for (auto& [name, p] : pending_)
     Fail(name, "tf_mpi: collective '" + name + "' cannot complete: rank " + std::to_string(rank) +
-                   " called shutdown()");
+                   " called shutdown()", StatusCode::kAborted);
   pending_.clear();
   Decision ack;
   ack.kind = Decision::Kind::kShutdownAck;
@@ -212,7 +214,8 @@ void Coordinator::CheckStalls(Clock::time_point now) {
     const Pending& p = pending_.at(name);
     Fail(name, "tf_mpi: collective '" + name + "' stalled for " +
                    std::to_string(static_cast<int>(Seconds(now - p.first_seen))) + " s: ready on " + Ranks(p, true) +
-                   ", never submitted by " + Ranks(p, false) + " (TF_MPI_STALL_SHUTDOWN_TIME_SECONDS)");
+                   ", never submitted by " + Ranks(p, false) + " (TF_MPI_STALL_SHUTDOWN_TIME_SECONDS)",
+         StatusCode::kAborted);
     LogError(decisions_.back().response.error);
     pending_.erase(name);
   }

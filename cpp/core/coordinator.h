@@ -52,7 +52,8 @@ class Coordinator {
     Clock::time_point last_warned;
   };
   void Decide(const std::string& name, Pending& p, Clock::time_point now);
-  void Fail(const std::string& name, const std::string& why);
+  // Fails `name` on every rank with `why`; `code` says how (see Decision::error_code).
+  void Fail(const std::string& name, const std::string& why, StatusCode code = StatusCode::kPrecondition);
   // `rank` called join(): it counts as ready for every collective until all have joined.
   void Join(int rank, Clock::time_point now);
   bool Complete(const Pending& p) const;

@@ -120,7 +120,7 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
       auto it = in_flight->find(d.response.meta.name);
       if (it != in_flight->end()) {
         if (it->second->ready_event) DeviceOf(it->second.get());  // releases the event
-        it->second->done(Status::Aborted(d.response.error));
+        it->second->done(Status{d.error_code, d.response.error});
         in_flight->erase(it);
         ++stats_->errors;
       }

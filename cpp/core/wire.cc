@@ -108,7 +108,11 @@ std::vector<char> Encode(const std::vector<Decision>& items) {
         for (const auto& row : d.response.splits) w.Ints(row);
         w.Ints(std::vector<int64_t>(d.response.joined.begin(), d.response.joined.end()));
         break;
-      case Decision::Kind::kError: w.Str(d.response.meta.name); w.Str(d.response.error); break;
+      case Decision::Kind::kError:
+        w.Str(d.response.meta.name);
+        w.Str(d.response.error);
+        w.Pod(d.error_code);
+        break;
       case Decision::Kind::kShutdownAck: w.Pod(d.rank); break;
       case Decision::Kind::kCoordinatorGone: break;
       case Decision::Kind::kSettings:
@@ -141,6 +145,7 @@ void Decode(const std::vector<char>& bytes, std::vector<Decision>* out) {
         d.response.kind = Response::Kind::kError;
         d.response.meta.name = r.Str();
         d.response.error = r.Str();
+        d.error_code = r.Pod<StatusCode>();
         break;
       case Decision::Kind::kShutdownAck: d.rank = r.Pod<int32_t>(); break;
       case Decision::Kind::kCoordinatorGone: break;

@@ -27,6 +27,10 @@ struct Decision {
   Kind kind = Kind::kExecute;
   uint32_t cache_id = 0;  // kExecuteCached
   Response response;      // kExecute / kError
+  // kError: how the failed collective completes on every rank. Disagreeing
+  // ranks (shape, dtype, root, ...) are kPrecondition (Horovod's
+  // FailedPreconditionError); a rank that left or stalled is kAborted.
+  StatusCode error_code = StatusCode::kPrecondition;
   int32_t rank = -1;      // kShutdownAck: whose shutdown
   Tunables tunables;      // kSettings: apply from here on
 };

@@ -8,8 +8,8 @@ namespace tensorflow {
 
 using shape_inference::InferenceContext;
 
-#define TFMPI_REDUCE_TYPES "{uint8, int8, int32, int64, half, bfloat16, float, double}"
-#define TFMPI_ALL_TYPES "{uint8, int8, int32, int64, half, bfloat16, float, double, bool}"
+#define TFMPI_REDUCE_TYPES "{uint8, int8, uint16, int16, int32, int64, half, bfloat16, float, double}"
+#define TFMPI_ALL_TYPES "{uint8, int8, uint16, int16, int32, int64, half, bfloat16, float, double, bool}"
 
 namespace {
 Status SameShapes(InferenceContext* c) {

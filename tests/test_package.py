@@ -18,6 +18,8 @@ PREVIOUS_NAMES = {
     "rank", "rank_op", "reducer", "reducescatter", "rocm_built", "shutdown", "size", "size_op",
     "start_timeline", "stop_timeline",
 }
+# Added for Horovod compatibility (issue 17): horovod.tensorflow has them too.
+ADDED_NAMES = {"broadcast_global_variables", "DistributedOptimizer", "SyncBatchNormalization", "elastic"}
 
 
 def _fresh(code):
@@ -40,7 +42,8 @@ def test_previous_names_still_importable():
     assert tf_mpi.basics._core is tf_mpi._core
     star = {}
     exec("from tf_mpi import *", star)
-    assert set(star) - {"__builtins__"} == PREVIOUS_NAMES
+    assert set(star) - {"__builtins__"} == PREVIOUS_NAMES | ADDED_NAMES
+    assert tf_mpi.SyncBatchNormalization is tf_mpi.keras.SyncBatchNormalization
     with pytest.raises(AttributeError):
         tf_mpi.no_such_name
 

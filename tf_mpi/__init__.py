@@ -35,16 +35,19 @@ _API = {
     ),
     "functions": (
         "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn",
-        "allgather_object", "barrier",
+        "allgather_object", "barrier", "broadcast_global_variables",
     ),
     "gradient_tape": ("DistributedGradientTape", "PartialDistributedGradientTape"),
+    # horovod.tensorflow exports these too (DistributedOptimizer takes Keras optimizers).
+    "keras.optimizer": ("DistributedOptimizer",),
+    "keras.sync_batch_norm": ("SyncBatchNormalization",),
 }
 _ORIGIN = {name: module for module, names in _API.items() for name in names}
 
-# Submodules reachable as attributes (``hvd.data``, ``hvd.basics._core``). data and
-# grouping are API; the others used to be bound as a side effect of the eager imports,
+# Submodules reachable as attributes (``hvd.data``, ``hvd.basics._core``). data,
+# grouping and elastic are API; the others used to be bound as a side effect of the eager imports,
 # and code relies on that.
-_SUBMODULES = ("data", "grouping", "basics", "compression", "functions", "gradient_tape",
+_SUBMODULES = ("data", "grouping", "elastic", "basics", "compression", "functions", "gradient_tape",
                "ops", "reducer", "_core")
 
 # ``from tf_mpi import *`` (tf_mpi.keras does it) exports what it exported before,

@@ -7,13 +7,39 @@ import io
 
 import cloudpickle
 import numpy as np
+import tensorflow as tf
 
 from tf_mpi import basics
 from tf_mpi.ops import grouped_broadcast
 
 
-def broadcast_variables(variables, root_rank, name="tfmpi.broadcast_variables"):
+def _read(variable):
+    """The current value of a tf.Variable (resource or ref) or Keras 3 Variable as a tensor."""
+    if hasattr(variable, "read_value"):
+        return variable.read_value()
+    return tf.convert_to_tensor(variable)
+
+
+def _as_op(assigned):
+    if isinstance(assigned, tf.Operation):
+        return assigned
+    return getattr(assigned, "op", assigned)
+
+
+def _assign_broadcast(variables, root_rank, name):
+    """Broadcasts `variables` from root_rank (one collective) and assigns; returns the assignments."""
+    if name is None and tf.executing_eagerly():
+        name = "tfmpi.broadcast_variables"  # graphs use the op's (unique) node name
+    values = grouped_broadcast([_read(v) for v in variables], root_rank, name=name)
+    return [v.assign(value) for v, value in zip(variables, values)]
+
+
+def broadcast_variables(variables, root_rank, name=None):
     """Assigns root_rank's values to `variables` on every rank (one collective).
+
+    As in Horovod, eagerly this assigns at once and returns None; in graph
+    mode (a TF1 Session, or inside ``tf.function``) it returns the op that
+    does it.
 
     Example::
 
@@ -21,16 +47,50 @@ def broadcast_variables(variables, root_rank, name="tfmpi.broadcast_variables"):
     """
     variables = list(variables)
     if not variables:
-        return
-    values = grouped_broadcast(variables, root_rank, name=name)
-    for v, value in zip(variables, values):
-        v.assign(value)
+        return None if tf.executing_eagerly() else tf.no_op()
+    assigned = _assign_broadcast(variables, root_rank, name)
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*[_as_op(a) for a in assigned])
 
 
-def broadcast_(variables, root_rank, name="tfmpi.broadcast_"):
-    """In-place broadcast (Horovod's ``hvd.broadcast_``): like broadcast_variables; returns the variables."""
-    broadcast_variables(variables, root_rank, name)
-    return variables
+def broadcast_(variables, root_rank, name=None):
+    """In-place broadcast (Horovod's ``hvd.broadcast_``): assigns root_rank's values to
+    ``variables`` and returns those values (tensors, one per variable).
+
+    Works eagerly, inside ``tf.function`` and in a TF1 graph (resource and
+    ref variables), for every dtype the collectives support.
+
+    Example::
+
+        values = hvd.broadcast_([w, b], root_rank=0)   # w and b now hold rank 0's values
+    """
+    variables = list(variables)
+    if not variables:
+        return []
+    assigned = _assign_broadcast(variables, root_rank, name)
+    if tf.executing_eagerly():
+        return [_read(v) for v in variables]
+    with tf.control_dependencies([_as_op(a) for a in assigned]):
+        return [tf.identity(_read(v)) for v in variables]
+
+
+def broadcast_global_variables(root_rank):
+    """Broadcasts every global variable of the default graph from root_rank (TF1-style graph scripts).
+
+    Returns the op to run, as Horovod does. Eagerly there are no global
+    variables: use ``broadcast_variables(model.variables, root_rank)``.
+
+    Example::
+
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(hvd.broadcast_global_variables(0))
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; use "
+                           "hvd.broadcast_variables(<model/optimizer variables>, root_rank) instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 def _dumps(obj):

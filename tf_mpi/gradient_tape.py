@@ -15,6 +15,10 @@ class DistributedGradientTape(tf.GradientTape):
     overlap (see ``tf_mpi.backprop_order``); other arguments are those of
     ``tf_mpi.keras.DistributedOptimizer``.
 
+    Sources registered with ``register_local_source`` (model parallelism, as
+    in Horovod) keep their local gradient, divided by size() unless
+    ``scale_local_gradients=False``.
+
     Example::
 
         with tf.GradientTape() as tape:
@@ -26,32 +30,50 @@ class DistributedGradientTape(tf.GradientTape):
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                 name="DistributedGradientTape", local_variables=None, order_backprop=None):
+                 name="DistributedGradientTape", local_variables=None, order_backprop=None,
+                 scale_local_gradients=True):
         # Take over the recorded tape instead of recording anew.
         self.__dict__.update(gradtape.__dict__)
         self._reducer = GradientReducer(name, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                                         gradient_predivide_factor=gradient_predivide_factor,
-                                        num_groups=num_groups, groups=groups, order_backprop=order_backprop)
-        self._local_ids = {id(v) for v in (local_variables or [])}
+                                        num_groups=num_groups, groups=groups, order_backprop=order_backprop,
+                                        scale_local_gradients=scale_local_gradients)
+        for v in local_variables or []:
+            self._reducer.register_local(v)
 
     @property
     def grouping_plan(self):
         """The last grouping plan used (a tf_mpi.grouping.Plan), or None."""
         return self._reducer.plan
 
+    def register_local_source(self, source):
+        """Keeps `source`'s gradient local: it is not reduced across ranks (Horovod's model-parallel hook).
+
+        The local gradient is divided by size() unless the tape was made with
+        ``scale_local_gradients=False``. Takes tf.Variables and Keras 3 variables.
+
+        Example::
+
+            tape = hvd.DistributedGradientTape(tape)
+            tape.register_local_source(model.get_layer("expert").kernel)
+        """
+        self._reducer.register_local(source)
+
     def gradient(self, target, sources, output_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        shared = [i for i, v in enumerate(flat_sources) if id(v) not in self._local_ids]
-        reduced = self._reducer.reduce([flat_grads[i] for i in shared], [flat_sources[i] for i in shared])
-        for i, r in zip(shared, reduced):
-            flat_grads[i] = r
-        return tf.nest.pack_sequence_as(grads, flat_grads)
+        reduced = self._reducer.reduce(flat_grads, flat_sources)
+        return tf.nest.pack_sequence_as(grads, reduced)
 
 
 class PartialDistributedGradientTape(DistributedGradientTape):
-    """A DistributedGradientTape that leaves the gradients of ``local_layers`` unreduced.
+    """A DistributedGradientTape that keeps the gradients of ``local_layers`` local.
+
+    ``local_layers`` is a layer or a list of layers; their trainable weights
+    are registered with ``register_local_source``, so their gradients are not
+    reduced and, unless ``scale_local_gradients=False``, are divided by size()
+    (as in Horovod).
 
     Example::
 
@@ -59,5 +81,12 @@ class PartialDistributedGradientTape(DistributedGradientTape):
     """
 
     def __init__(self, gradtape, local_layers=None, **kwargs):
-        local_vars = [v for layer in (local_layers or []) for v in layer.trainable_weights]
+        if local_layers is None:
+            local_layers = []
+        elif not isinstance(local_layers, (list, tuple)):
+            local_layers = [local_layers]
+        for layer in local_layers:
+            if not hasattr(layer, "trainable_weights"):
+                raise ValueError(f"tf_mpi: local_layers must be Keras layers, got {type(layer).__name__}")
+        local_vars = [v for layer in local_layers for v in layer.trainable_weights]
         super().__init__(gradtape, local_variables=local_vars, **kwargs)

@@ -4,7 +4,9 @@ Every function works in eager mode and inside ``tf.function``. Collectives are
 matched across ranks by name: give concurrent collectives distinct names (the
 default, the op's node name inside a graph, is unique per graph).
 """
+import contextlib
 import os
+import warnings
 
 import tensorflow as tf
 
@@ -76,20 +78,49 @@ def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=N
                                  postscale_factor=postscale_factor, tensor_name=_name(name))
 
 
-def allreduce(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
-              compression=Compression.none, average=None):
+def _resolve_op(op, average):
+    """Horovod's rule for the deprecated ``average`` flag: it maps to Average / Sum,
+    and passing it together with ``op`` is an error. A bool given as ``op`` is
+    Horovod's second positional parameter, ``average``."""
+    if isinstance(op, bool):
+        if average is not None:
+            raise ValueError("tf_mpi: the op parameter supersedes average; pass only one of them")
+        op, average = None, op
+    if op is not None and average is not None:
+        raise ValueError("tf_mpi: the op parameter supersedes average; pass only one of them")
+    if average is not None:
+        warnings.warn("tf_mpi: the `average` parameter is deprecated (as in Horovod); use op=hvd.Average or "
+                      "op=hvd.Sum", DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _on_device(device):
+    """``tf.device(device)`` for Horovod's device_dense / device_sparse arguments ('' places nothing)."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def allreduce(tensor, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+              compression=Compression.none, average=None, device_dense="", device_sparse="",
+              ignore_name_scope=False):
     """Reduces ``tensor`` over all ranks; every rank gets the result.
 
     Args:
-      tensor: a ``tf.Tensor`` (uint8, int8, int32, int64, float16, bfloat16,
-        float32, float64) or ``tf.IndexedSlices`` (then values and indices are
-        allgathered, as Horovod does; op must be Average or Sum).
+      tensor: a ``tf.Tensor`` (uint8, int8, uint16, int16, int32, int64,
+        float16, bfloat16, float32, float64) or ``tf.IndexedSlices`` (then
+        values and indices are allgathered, as Horovod does; op must be
+        Average or Sum, and Average divides the values by size() with true
+        division, so integer values come back as floats).
       op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
         Integer averages are truncated toward zero.
       name: matches this collective across ranks; defaults to the op's name.
       prescale_factor / postscale_factor: multiply before / after the reduction.
       compression: ``Compression.none`` or ``Compression.fp16``.
-      average: deprecated Horovod flag; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
+      average: deprecated Horovod flag; ``True`` means ``op=Average``, ``False``
+        ``op=Sum`` (an error together with ``op``).
+      device_dense / device_sparse: devices for dense / IndexedSlices inputs
+        (Horovod's arguments; '' leaves placement to TensorFlow).
+      ignore_name_scope: accepted for Horovod compatibility (``name`` is used as given).
 
     Example::
 
@@ -97,15 +128,25 @@ def allreduce(tensor, op=Average, name=None, prescale_factor=1.0, postscale_fact
         x = tf.constant([1.0, 2.0]) * (hvd.rank() + 1)
         hvd.allreduce(x, op=hvd.Sum)   # on 2 ranks: [3.0, 6.0] everywhere
     """
-    if average is not None:
-        op = Average if average else Sum
+    op = _resolve_op(op, average)
     _check_op(op)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
-    tensor = tf.convert_to_tensor(tensor)
-    compressed, ctx = compression.compress(tensor)
-    reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
-    return compression.decompress(reduced, ctx)
+        with _on_device(device_sparse):
+            return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
+    with _on_device(device_dense):
+        tensor = tf.convert_to_tensor(tensor)
+        compressed, ctx = compression.compress(tensor)
+        reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
+        return compression.decompress(reduced, ctx)
+
+
+def _scale(x, factor):
+    """x * factor; integers are scaled in float64 and truncated, as the engine does."""
+    if factor == 1.0:
+        return x
+    if x.dtype.is_floating:
+        return x * tf.cast(factor, x.dtype)
+    return tf.cast(tf.cast(x, tf.float64) * factor, x.dtype)
 
 
 def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor):
@@ -114,43 +155,52 @@ def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_facto
     prefix = "" if name is None else f"{name}."
     values = allgather(slices.values, name=None if name is None else prefix + "values")
     indices = allgather(slices.indices, name=None if name is None else prefix + "indices")
-    scale = prescale_factor * postscale_factor / (basics.size() if op == Average else 1)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    # Scale factors on IndexedSlices are a tf_mpi extension (Horovod raises NotImplementedError).
+    values = _scale(values, prescale_factor * postscale_factor)
+    if op == Average:
+        # Horovod: true division by size(), so integer values become floating point.
+        values = values / tf.cast(basics.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def grouped_allreduce(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                      compression=Compression.none):
+def grouped_allreduce(tensors, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                      compression=Compression.none, average=None, device_dense="", device_sparse="",
+                      ignore_name_scope=False):
     """Reduces a list of tensors as one unit: negotiated together, fused per
-    dtype, completed together. Dtypes may be mixed.
+    dtype, completed together. Dtypes may be mixed (Horovod needs one dtype).
+
+    Arguments are those of ``allreduce``; IndexedSlices members are
+    allgathered, dense members reduced together.
 
     Example::
 
         grads = hvd.grouped_allreduce([g1, g2, g3], op=hvd.Average)
     """
+    op = _resolve_op(op, average)
     _check_op(op)
     tensors = list(tensors)
     if not tensors:
         return []
     dense_idx = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     out = [None] * len(tensors)
-    for i, t in enumerate(tensors):
-        if isinstance(t, tf.IndexedSlices):
-            out[i] = _allreduce_indexed_slices(t, op, None if name is None else f"{name}.{i}",
-                                               prescale_factor, postscale_factor)
+    with _on_device(device_sparse):
+        for i, t in enumerate(tensors):
+            if isinstance(t, tf.IndexedSlices):
+                out[i] = _allreduce_indexed_slices(t, op, None if name is None else f"{name}.{i}",
+                                                   prescale_factor, postscale_factor)
     if dense_idx:
         _check_not_xla()
-        pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
-        reduced = _lib.tf_mpi_grouped_allreduce([p[0] for p in pairs], reduce_op=op,
-                                                prescale_factor=prescale_factor,
-                                                postscale_factor=postscale_factor, tensor_name=_name(name))
-        for i, r, (_, ctx) in zip(dense_idx, reduced, pairs):
-            out[i] = compression.decompress(r, ctx)
+        with _on_device(device_dense):
+            pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
+            reduced = _lib.tf_mpi_grouped_allreduce([p[0] for p in pairs], reduce_op=op,
+                                                    prescale_factor=prescale_factor,
+                                                    postscale_factor=postscale_factor, tensor_name=_name(name))
+            for i, r, (_, ctx) in zip(dense_idx, reduced, pairs):
+                out[i] = compression.decompress(r, ctx)
     return out
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, ignore_name_scope=False):
     """Concatenates each rank's ``tensor`` along dimension 0 (which may differ per rank).
 
     Example::
@@ -161,7 +211,7 @@ def allgather(tensor, name=None):
     return _lib.tf_mpi_allgather([tf.convert_to_tensor(tensor)], tensor_name=_name(name))[0]
 
 
-def broadcast(tensor, root_rank, name=None):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     """Returns root_rank's ``tensor`` on every rank.
 
     Example::
@@ -186,24 +236,36 @@ def grouped_broadcast(tensors, root_rank, name=None):
     return _lib.tf_mpi_broadcast(tensors, root_rank=root_rank, tensor_name=_name(name))
 
 
-def alltoall(tensor, splits=None, name=None):
-    """Sends ``splits[j]`` rows of ``tensor`` (in order) to rank j; returns ``(received, received_splits)``.
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+    """Sends ``splits[j]`` rows of ``tensor`` (in order) to rank j and returns what the others sent here.
 
-    Without ``splits`` dim 0 is divided equally (it must divide evenly).
-    ``received`` concatenates what each rank sent to this one, in rank order.
+    As in Horovod, the result is the received tensor alone when ``splits`` is
+    None (dim 0 is then divided equally and must divide evenly), and the pair
+    ``(received, received_splits)`` when ``splits`` is given. ``received``
+    concatenates what each rank sent to this one, in rank order;
+    ``received_splits[j]`` is the number of rows that came from rank j.
 
     Example::
 
         # 2 ranks, rank r sends [r, r] to rank 0 and [10 + r] to rank 1
         out, counts = hvd.alltoall(tf.constant([r, r, 10 + r]), splits=[2, 1])
         # rank 0: [0, 0, 1, 1], counts [2, 2];  rank 1: [10, 11], counts [1, 1]
+        same = hvd.alltoall(tf.constant([r, r]))  # equal split, tensor only: [0, 1] on both ranks
     """
     _check_not_xla()
-    splits = tf.zeros([0], tf.int64) if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
-    return _lib.tf_mpi_alltoall(tf.convert_to_tensor(tensor), splits, tensor_name=_name(name))
+    if splits is None:
+        splits_t = tf.zeros([0], tf.int64)
+    else:
+        splits_t = tf.convert_to_tensor(splits)
+        if not splits_t.dtype.is_integer:
+            raise ValueError(f"tf_mpi: alltoall splits must be integers, got {splits_t.dtype.name}")
+        splits_t = tf.cast(splits_t, tf.int64)
+    out, received = _lib.tf_mpi_alltoall(tf.convert_to_tensor(tensor), splits_t, tensor_name=_name(name))
+    return out if splits is None else (out, received)
 
 
-def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                  compression=Compression.none, device_dense="", ignore_name_scope=False):
     """Reduces ``tensor`` over ranks and gives each rank a slice of the result along dim 0.
 
     Rank r gets rows [r*q + min(r, m), ...) of q = rows // size, the first m = rows % size ranks
@@ -213,23 +275,38 @@ def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_
 
         part = hvd.reducescatter(tf.ones([4, 2]), op=hvd.Sum)  # 2 ranks: a [2, 2] tensor of 2.0 each
     """
-    return grouped_reducescatter([tensor], op, name, prescale_factor, postscale_factor)[0]
+    return grouped_reducescatter([tensor], op, name, prescale_factor, postscale_factor, compression,
+                                 device_dense)[0]
 
 
-def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0):
-    """reducescatter of several tensors negotiated as one unit."""
+def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                          compression=Compression.none, device_dense=""):
+    """reducescatter of several tensors (dtypes may differ) negotiated as one unit.
+
+    Example::
+
+        a, b = hvd.grouped_reducescatter([tf.ones([4, 2]), tf.ones([2])], op=hvd.Sum)
+    """
     if op not in (Average, Sum):
         raise ValueError("tf_mpi: reducescatter supports op=Average or op=Sum")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
     _check_not_xla()
-    return _lib.tf_mpi_reducescatter(tensors, reduce_op=op, prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor, tensor_name=_name(name))
+    with _on_device(device_dense):
+        pairs = [compression.compress(t) for t in tensors]
+        reduced = _lib.tf_mpi_reducescatter([p[0] for p in pairs], reduce_op=op, prescale_factor=prescale_factor,
+                                            postscale_factor=postscale_factor, tensor_name=_name(name))
+        return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
 def grouped_allgather(tensors, name=None):
-    """allgather of several tensors negotiated as one unit."""
+    """allgather of several tensors negotiated as one unit.
+
+    Example::
+
+        a, b = hvd.grouped_allgather([tf.ones([hvd.rank() + 1, 2]), tf.zeros([1])])
+    """
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
@@ -278,47 +355,70 @@ def _grouped_allreduce_grad(op, *grads):
                                          postscale_factor=op.get_attr("postscale_factor"))
 
 
+def _differentiable(t):
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+def _upstream(grads, outputs):
+    """The incoming gradients as dense tensors (zeros where TensorFlow passed None)."""
+    return [tf.zeros_like(y) if g is None else tf.convert_to_tensor(g) for g, y in zip(grads, outputs)]
+
+
+# The gradients below follow Horovod's definitions (horovod/tensorflow/mpi_ops.py),
+# which are not all the plain derivative of the sum of every rank's loss:
+#   broadcast:     allreduce(Average) of the upstream gradient on root_rank, zeros elsewhere;
+#   allgather:     allreduce(Average) of the upstream gradient, then this rank's rows;
+#   reducescatter: allgather of the upstream gradient, times size() for op=Sum.
+# Every rank submits the same collectives, whatever its rank (no rank-dependent branches).
+
 @tf.RegisterGradient("TfMpiAllgather")
 def _allgather_grad(op, *grads):
-    # d(sum of all ranks' losses)/d(my rows) = my slice of the summed gradient.
-    out = []
-    for x, g in zip(op.inputs, grads):
-        g = tf.zeros_like(op.outputs[len(out)]) if g is None else g
-        summed = _allreduce(g, Sum)
-        rows = tf.reshape(allgather(tf.shape(x, out_type=tf.int64)[:1]), [-1])
-        start = tf.reduce_sum(rows[:rank_op()])
-        out.append(tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(g) - 1], tf.int64)], 0),
-                            tf.shape(x, out_type=tf.int64)))
+    xs = list(op.inputs)
+    idx = [i for i, x in enumerate(xs) if _differentiable(x)]
+    out = [None] * len(xs)
+    if not idx:
+        return out
+    upstream = _upstream([grads[i] for i in idx], [op.outputs[i] for i in idx])
+    averaged = _lib.tf_mpi_grouped_allreduce(upstream, reduce_op=Average)
+    rows = _lib.tf_mpi_allgather([tf.shape(xs[i], out_type=tf.int64)[:1] for i in idx])
+    me = rank_op()
+    for i, g, r in zip(idx, averaged, rows):
+        begin = tf.concat([[tf.reduce_sum(r[:me])], tf.zeros([tf.rank(g) - 1], tf.int64)], 0)
+        out[i] = tf.slice(g, begin, tf.shape(xs[i], out_type=tf.int64))
     return out
 
 
 @tf.RegisterGradient("TfMpiAlltoall")
 def _alltoall_grad(op, grad, _):
     # Send each gradient row back to where its forward row came from.
+    if grad is None:
+        grad = tf.zeros_like(op.outputs[0])
     back, _ = _lib.tf_mpi_alltoall(grad, op.outputs[1])
     return back, None
 
 
 @tf.RegisterGradient("TfMpiReducescatter")
 def _reducescatter_grad(op, *grads):
-    # Each input row reached one rank's output; gather the output gradients back.
     reduce_op = op.get_attr("reduce_op")
     scale = op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
-    if reduce_op == Average:
-        scale /= basics.size()
-    out = []
-    for x, g in zip(op.inputs, grads):
-        full = _lib.tf_mpi_allgather([g])[0]
-        out.append(full * tf.cast(scale, full.dtype) if scale != 1.0 else full)
-    return out
+    if reduce_op == Sum:
+        scale *= basics.size()
+    gathered = _lib.tf_mpi_allgather(_upstream(grads, op.outputs))
+    return [_scale(g, scale) for g in gathered]
 
 
 @tf.RegisterGradient("TfMpiBroadcast")
 def _broadcast_grad(op, *grads):
-    root = op.get_attr("root_rank")
-    out = []
-    for x, g in zip(op.inputs, grads):
-        g = tf.zeros_like(x) if g is None else g
-        summed = _allreduce(g, Sum)
-        out.append(summed if basics.rank() == root else tf.zeros_like(summed))
+    xs = list(op.inputs)
+    idx = [i for i, x in enumerate(xs) if _differentiable(x)]
+    out = [None] * len(xs)
+    if not idx:
+        return out
+    averaged = _lib.tf_mpi_grouped_allreduce(_upstream([grads[i] for i in idx], [op.outputs[i] for i in idx]),
+                                             reduce_op=Average)
+    keep = basics.rank() == op.get_attr("root_rank")
+    for i, g in zip(idx, averaged):
+        # Multiplying (as Horovod does) keeps the allreduce a data input of what
+        # the caller fetches, so graph optimisation cannot drop it on non-root ranks.
+        out[i] = g if keep else g * tf.zeros([], g.dtype)
     return out

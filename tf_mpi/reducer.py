@@ -12,6 +12,13 @@ from tf_mpi.basics import Average, Sum
 from tf_mpi.compression import Compression
 
 
+def variable_key(variable):
+    """Identity of a variable for local-variable bookkeeping: a Keras 3 Variable
+    and the tf.Variable it wraps count as the same variable."""
+    inner = getattr(variable, "_value", None)
+    return id(inner) if isinstance(inner, tf.Variable) else id(variable)
+
+
 class GradientReducer:
     """Averages (or sums) gradients over ranks in groups that follow backprop order.
 
@@ -26,6 +33,9 @@ class GradientReducer:
       order_backprop: make backprop finish each group's gradients before it
         starts on the layers below (tf_mpi.backprop_order); None: the
         TF_MPI_ORDER_BACKPROP environment variable (default off).
+      scale_local_gradients: gradients of variables registered with
+        ``register_local`` are never reduced; if True (Horovod's default) they
+        are divided by size(), like the averaged ones.
 
     Example::
 
@@ -35,7 +45,7 @@ class GradientReducer:
 
     def __init__(self, name, op=Average, compression=Compression.none, sparse_as_dense=False,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
-                 order_backprop=None):
+                 order_backprop=None, scale_local_gradients=True):
         if op not in (Average, Sum):
             raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -49,6 +59,20 @@ class GradientReducer:
         self.order_backprop = order_backprop
         self.plan = None
         self._verified = set()
+        self.scale_local_gradients = scale_local_gradients
+        self._local = set()  # variable_key of worker-local variables
+
+    def register_local(self, variable):
+        """Marks `variable` as worker local: its gradient is not reduced (Horovod's model-parallel hook)."""
+        self._local.add(variable_key(variable))
+
+    def _scale_local(self, grad):
+        if grad is None or not self.scale_local_gradients:
+            return grad
+        n = basics.size()
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values / tf.cast(n, grad.values.dtype), grad.indices, grad.dense_shape)
+        return grad / tf.cast(n, grad.dtype)
 
     def _scaling(self):
         """(op, prescale, postscale) for the grouped allreduces."""
@@ -58,11 +82,28 @@ class GradientReducer:
         return self.op, 1.0, 1.0
 
     def reduce(self, grads, variables):
-        """Returns the reduced gradients, in the input order (None stays None)."""
+        """Returns the reduced gradients, in the input order (None stays None).
+
+        Gradients of registered local variables are not reduced (and divided
+        by size() if scale_local_gradients)."""
         grads = list(grads)
         variables = list(variables)
         if basics.size() == 1:
             return grads
+        if self._local:
+            local = [i for i, v in enumerate(variables) if variable_key(v) in self._local]
+            if local:
+                mine = set(local)
+                shared = [i for i in range(len(grads)) if i not in mine]
+                out = list(grads)
+                for i, r in zip(shared, self._reduce([grads[i] for i in shared], [variables[i] for i in shared])):
+                    out[i] = r
+                for i in local:
+                    out[i] = self._scale_local(grads[i])
+                return out
+        return self._reduce(grads, variables)
+
+    def _reduce(self, grads, variables):
         out = list(grads)
         dense = []
         for i, g in enumerate(grads):

@@ -13,8 +13,12 @@ Example (``mpirun -np 2 python train.py``)::
                                hvd.callbacks.MetricAverageCallback()],
               verbose=1 if hvd.rank() == 0 else 0)
 """
+import importlib
+
 from tf_mpi import *  # noqa: F401,F403  (init, rank, size, allreduce, ... as in tf_mpi)
 from tf_mpi import DistributedGradientTape, PartialDistributedGradientTape, broadcast_variables  # noqa: F401
 from tf_mpi.keras import callbacks  # noqa: F401
+# The Keras elastic module (KerasState and callbacks), not tf_mpi.elastic that the * import bound.
+elastic = importlib.import_module("tf_mpi.keras.elastic")
 from tf_mpi.keras.optimizer import DistributedOptimizer, load_model  # noqa: F401
 from tf_mpi.keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401

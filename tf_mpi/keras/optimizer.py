@@ -54,6 +54,19 @@ class _DistributedMixin:
     def _tfmpi_reduce(self, grads, variables):
         return self._tfmpi_get_reducer().reduce(grads, variables)
 
+    def register_local_var(self, var):
+        """Keeps `var`'s gradient local: it is not reduced across ranks (Horovod's model-parallel hook).
+
+        The local gradient is divided by size() unless the optimizer was made
+        with ``scale_local_gradients=False``.
+
+        Example::
+
+            opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3))
+            opt.register_local_var(model.get_layer("expert").kernel)
+        """
+        self._tfmpi_get_reducer().register_local(var)
+
 
 class _DistributedPlain(_DistributedMixin):
     def _clip_gradients(self, grads):
@@ -125,7 +138,7 @@ def _distributed_class(base):
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, backward_passes_per_step=1, average_aggregated_gradients=False,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         order_backprop=None):
+                         order_backprop=None, scale_local_gradients=True):
     """Wraps a Keras 3 optimizer so that gradients are averaged across ranks before they are applied.
 
     Returns a new optimizer of a subclass of ``type(optimizer)`` with the same
@@ -151,6 +164,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         below, so that early groups reach the engine early even when TensorFlow has one inter-op
         thread (its queue would otherwise hold them back to the end of backprop). Default: the
         TF_MPI_ORDER_BACKPROP environment variable, off unless "1".
+      scale_local_gradients: divide the gradients of variables registered with
+        ``register_local_var`` by size() (Horovod's default), or leave them as they are.
 
     Example::
 
@@ -177,7 +192,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", op=op, compression=compression,
                               sparse_as_dense=sparse_as_dense,
                               gradient_predivide_factor=gradient_predivide_factor,
-                              num_groups=num_groups, groups=groups, order_backprop=order_backprop)
+                              num_groups=num_groups, groups=groups, order_backprop=order_backprop,
+                              scale_local_gradients=scale_local_gradients)
     wrapped._tfmpi_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
 

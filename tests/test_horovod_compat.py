@@ -1,0 +1,36 @@
+"""Horovod compatibility (issue 17): the semantics `import tf_mpi as hvd` keeps
+from Horovod 0.28.1 -- error classes, 16-bit integers, alltoall's return value,
+gradients of broadcast / allgather / reducescatter (eager, tf.function and
+TF1 graph mode, grouped and not), in-place broadcast, and the API a Horovod
+script expects (broadcast_global_variables, average=, IndexedSlices of
+integers, SyncBatchNormalization's arguments, local gradients, elastic state).
+
+One launch per world size runs every check of tests/workers/horovod_compat_worker.py.
+"""
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "horovod_compat_worker.py"
+# A collective that some ranks never submit fails after 30 s instead of hanging the launch.
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30",
+       "TF_MPI_OVERLAP": "0"}  # no start-up overlap probe for the gradient tapes (not what is tested here)
+_runs = {}
+
+
+def launch(np):
+    if np not in _runs:
+        _runs[np] = run_mpi(np, WORKER, timeout=300, env=ENV)
+    return _runs[np]
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_launch_exits_cleanly(np):
+    run = launch(np)
+    assert not run.timed_out and run.returncode == 0, run.describe()
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("check", check_names(WORKER))
+def test_horovod_compat(np, check):
+    assert_check(launch(np), np, check)

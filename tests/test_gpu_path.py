@@ -1,0 +1,42 @@
+"""What of the GPU path runs without a GPU (CI): the CUDA part's library, the
+transport choice and its override, the error for a GPU array when no GPU is
+usable, and the array collectives the GPU check uses. The GPU path itself is
+checked by ci/gpu_check.sh on a machine with an NVIDIA GPU (README, "GPUs"):
+no test here can run a CUDA kernel."""
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "gpu_path_worker.py"
+_runs = {}
+
+
+def launch(scenario, np, env=None):
+    key = (scenario, np)
+    if key not in _runs:
+        _runs[key] = run_mpi(np, WORKER, timeout=90, env=env, args=[scenario])
+    return _runs[key]
+
+
+COMMON = [c for c in check_names(WORKER) if c != "check_a_bad_cuda_aware_setting_fails_init_with_its_name"]
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("check", COMMON)
+def test_gpu_path_without_a_gpu(check, np):
+    run = launch("default", np)
+    assert run.returncode == 0, run.describe()
+    assert_check(run, np, check)
+
+
+@pytest.mark.parametrize("check", ["check_the_transport_follows_the_mpi_or_the_override",
+                                   "check_a_gpu_array_without_a_usable_gpu_is_a_clear_error_and_the_engine_goes_on"])
+def test_direct_transport_can_be_forced(check):
+    run = launch("forced_direct", 2, env={"TF_MPI_CUDA_AWARE": "1"})
+    assert run.returncode == 0, run.describe()
+    assert_check(run, 2, check)
+
+
+def test_a_bad_cuda_aware_setting_is_refused():
+    run = launch("bad_setting", 2, env={"TF_MPI_CUDA_AWARE": "maybe"})
+    assert_check(run, 2, "check_a_bad_cuda_aware_setting_fails_init_with_its_name")

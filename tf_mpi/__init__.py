@@ -25,6 +25,7 @@ _API = {
         "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
         "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
         "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built",
+        "mpi_built_with_cuda_support", "gpu_transport",
         "start_timeline", "stop_timeline", "join",
     ),
     "compression": ("Compression",),

@@ -233,16 +233,21 @@ int DeviceCount(int* count) {
   return Err(e);
 }
 
-int PointerDevice(const void* ptr, int* device) {
-  cudaPointerAttributes attr{};
-  cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+// The memory type of `ptr`; unregistered host memory is cudaMemoryTypeUnregistered.
+int PointerType(const void* ptr, cudaPointerAttributes* attr) {
+  cudaError_t e = cudaPointerGetAttributes(attr, ptr);
   if (e == cudaErrorInvalidValue) {
     // Unregistered host memory on old runtimes: an error, and a sticky one.
     cudaGetLastError();
-    *device = -1;
+    attr->type = cudaMemoryTypeUnregistered;
     return 0;
   }
-  if (e != cudaSuccess) return Err(e);
+  return Err(e);
+}
+
+int PointerDevice(const void* ptr, int* device) {
+  cudaPointerAttributes attr{};
+  if (int e = PointerType(ptr, &attr)) return e;
   const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
   *device = on_device ? attr.device : -1;
   return 0;
@@ -250,13 +255,7 @@ int PointerDevice(const void* ptr, int* device) {
 
 int PointerIsManaged(const void* ptr, int* managed) {
   cudaPointerAttributes attr{};
-  cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
-  if (e == cudaErrorInvalidValue) {
-    cudaGetLastError();
-    *managed = 0;
-    return 0;
-  }
-  if (e != cudaSuccess) return Err(e);
+  if (int e = PointerType(ptr, &attr)) return e;
   *managed = attr.type == cudaMemoryTypeManaged ? 1 : 0;
   return 0;
 }

@@ -210,16 +210,33 @@ std::unique_ptr<Request> Prepare(CollectiveType type, const std::string& name, p
   return MakeRequest(type, name, in.cast<py::array>());
 }
 
-py::object Allreduce(py::object in, int op, const std::string& name, double prescale, double postscale) {
+// Allreduce or reducescatter of one array.
+py::object Reduce(CollectiveType type, py::object in, int op, const std::string& name, double prescale,
+                  double postscale) {
   std::optional<CudaArrayView> gpu;
-  auto req = Prepare(CollectiveType::kAllreduce, name, in, &gpu);
+  auto req = Prepare(type, name, in, &gpu);
   req->meta.op = static_cast<ReduceOp>(op);
   req->meta.prescale = prescale;
   req->meta.postscale = postscale;
-  Output out = MakeOutput(in, gpu ? &*gpu : nullptr, req->meta.tensors[0].shape);
+  Shape shape = req->meta.tensors[0].shape;
+  if (type == CollectiveType::kReducescatter) {
+    if (shape.empty()) throw py::value_error("tf_mpi: reducescatter needs an array with at least one dimension");
+    // Rank r keeps rows [r * q + min(r, rem), ...): the first `rem` ranks get one more.
+    const int n = Ctx().size(), r = Ctx().rank();
+    shape[0] = shape[0] / n + (r < shape[0] % n ? 1 : 0);
+  }
+  Output out = MakeOutput(in, gpu ? &*gpu : nullptr, shape);
   req->outputs.push_back(out.data);
   Run(std::move(req));
   return out.array;
+}
+
+py::object Allreduce(py::object in, int op, const std::string& name, double prescale, double postscale) {
+  return Reduce(CollectiveType::kAllreduce, std::move(in), op, name, prescale, postscale);
+}
+
+py::object Reducescatter(py::object in, int op, const std::string& name, double prescale, double postscale) {
+  return Reduce(CollectiveType::kReducescatter, std::move(in), op, name, prescale, postscale);
 }
 
 // One request for several arrays (all numpy, or all CUDA arrays on one GPU):
@@ -260,23 +277,6 @@ py::object Broadcast(py::object in, int root, const std::string& name) {
   auto req = Prepare(CollectiveType::kBroadcast, name, in, &gpu);
   req->meta.root = root;
   Output out = MakeOutput(in, gpu ? &*gpu : nullptr, req->meta.tensors[0].shape);
-  req->outputs.push_back(out.data);
-  Run(std::move(req));
-  return out.array;
-}
-
-py::object Reducescatter(py::object in, int op, const std::string& name, double prescale, double postscale) {
-  std::optional<CudaArrayView> gpu;
-  auto req = Prepare(CollectiveType::kReducescatter, name, in, &gpu);
-  req->meta.op = static_cast<ReduceOp>(op);
-  req->meta.prescale = prescale;
-  req->meta.postscale = postscale;
-  // Rank r keeps rows [r * q + min(r, rem), ...): the first `rem` ranks get one more.
-  Shape shape = req->meta.tensors[0].shape;
-  if (shape.empty()) throw py::value_error("tf_mpi: reducescatter needs an array with at least one dimension");
-  const int n = Ctx().size(), r = Ctx().rank();
-  shape[0] = shape[0] / n + (r < shape[0] % n ? 1 : 0);
-  Output out = MakeOutput(in, gpu ? &*gpu : nullptr, shape);
   req->outputs.push_back(out.data);
   Run(std::move(req));
   return out.array;

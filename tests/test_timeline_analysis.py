@@ -53,3 +53,32 @@ def test_timeline_plot_steps_skip_one_off_first_tensor():
         assert s["queue"] == 0.0
         assert abs(s["copy"] - 0.2) < 1e-9       # drawn on both tracks, counted once
         assert abs(s["mpi"] - 2.8) < 1e-9        # 2 ms (g.early) + 0.8 ms (g.late)
+
+
+def test_timeline_plot_summary_figure_and_slowest_steps(tmp_path, capsys):
+    # 12 steps of 10 ms, except step 7 (25 ms) and step 4 (18 ms): the figure is
+    # laptop-sized whatever the step count, and the slowest steps are found.
+    import json
+    from tf_mpi import timeline_plot
+    starts, t = [], 1_000
+    for k in range(12):
+        starts.append(t)
+        t += {7: 25_000, 4: 18_000}.get(k, 10_000)
+    x = lambda tid, name, ts, dur: {"ph": "X", "tid": tid, "name": name, "ts": ts, "dur": dur}
+    events = [{"ph": "M", "tid": 1, "name": "thread_name", "args": {"name": "g"}}]
+    for t0 in starts:
+        events += [x(1, "NEGOTIATE", t0, 6000), x(1, "MPI_ALLREDUCE", t0 + 6000, 1500)]
+    path, png = tmp_path / "trace.json", tmp_path / "summary.png"
+    path.write_text(json.dumps({"traceEvents": events}))
+
+    steps = timeline_plot.summarize(json.loads(path.read_text()))
+    assert [round(s["step_ms"]) for s in steps[:-1]] == [10, 10, 10, 10, 18, 10, 10, 25, 10, 10, 10]
+    assert all(abs(s["mpi"] - 1.5) < 1e-9 and abs(s["tail_ms"] - 1.5) < 1e-9 for s in steps)
+    assert timeline_plot.slowest_steps(steps, n=2) == [7, 4]
+    assert set(timeline_plot.slowest_steps(steps, n=3, skip=8)) == {8, 9, 10}  # warm-up left out
+
+    assert timeline_plot.main([str(path), str(png)]) == 0
+    assert "12 steps" in capsys.readouterr().out
+    import matplotlib.image
+    height, width = matplotlib.image.imread(str(png)).shape[:2]
+    assert (width, height) == (1200, 700)

@@ -5,7 +5,7 @@ rates expensive (a MatMul making a dense layer's gradient, the end of a
 backward loop) and serves that queue newest first, so the kernels producing an
 early gradient group can wait until all of backprop is done. Every group then
 reaches the engine at the end of the step and nothing overlaps (measured in
-docs/performance.md, "When does a gradient group reach the engine?").
+docs/how-it-works.md, "When gradient groups reach the engine").
 
 The fix is a scheduling hint inside the traced step: the first ops of the
 backprop that only later groups need get control inputs on the ops that

@@ -7,10 +7,10 @@ computing, or a network card moving the bytes, the transfer runs beside the
 computation. With every core computing and the ranks talking through shared
 memory, the transfer is CPU work on a core that backprop needs: a group sent
 early slows backprop by about what it saves, and sending it as a message of
-its own only adds a start-up (docs/performance.md, "A collective on a shared
-core"). Which case holds is measured, not guessed: on every rank at once, a
-compute kernel alone (``t_c``), a 16 MiB allreduce alone (``t_m``) and both
-together (``t_b``)::
+its own only adds a start-up (docs/performance.md, "Communication beside
+computation on a shared core"). Which case holds is measured, not guessed:
+on every rank at once, a compute kernel alone (``t_c``), a 16 MiB allreduce
+alone (``t_m``) and both together (``t_b``)::
 
     overlap = (t_c + t_m - t_b) / min(t_c, t_m), clipped to [0, 1]
 

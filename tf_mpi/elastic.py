@@ -39,13 +39,28 @@ from tf_mpi.functions import broadcast_object, broadcast_variables
 
 
 class HorovodInternalError(RuntimeError):
-    """A collective failed inside ``run`` (Horovod's exception of the same name)."""
+    """A collective failed inside ``run`` (Horovod's exception of the same name).
+
+    Example::
+
+        try:
+            train(state)
+        except hvd.elastic.HorovodInternalError as e:
+            print("restart the job:", e)
+    """
 
 
 class HostsUpdatedInterrupt(RuntimeError):
     """Raised inside ``run``'s function to make every rank sync the state and start the function again.
 
     ``skip_sync=True`` restarts without syncing.
+
+    Example::
+
+        @hvd.elastic.run
+        def train(state):
+            if state.epoch == 0 and must_restart:
+                raise hvd.elastic.HostsUpdatedInterrupt(skip_sync=False)
     """
 
     def __init__(self, skip_sync=False):

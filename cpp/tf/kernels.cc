@@ -113,9 +113,20 @@ class CollectiveOp : public AsyncOpKernel {
     auto& engine = tfmpi::Engine::Get();
     OP_REQUIRES_ASYNC(ctx, engine.initialized(),
                       errors::FailedPrecondition("tf_mpi has not been initialized; call tf_mpi.init() first"), done);
-    if (gpu_) OP_REQUIRES_OK_ASYNC(ctx, SetGpuPlacement(ctx, req.get()), done);
     const bool alltoall = type_ == tfmpi::CollectiveType::kAlltoall;
     const int num_tensors = alltoall ? 1 : ctx->num_inputs();
+    if (gpu_) {
+      // TensorFlow keeps int32 tensors of GPU kernels in host memory: such a
+      // collective is a host request (every rank decides alike), and a group
+      // cannot mix the two.
+      int on_host = 0;
+      for (int i = 0; i < num_tensors; ++i) on_host += ctx->input_memory_type(i) == HOST_MEMORY;
+      OP_REQUIRES_ASYNC(ctx, on_host == 0 || on_host == num_tensors,
+                        errors::InvalidArgument("tf_mpi: '", tensor_name_, "' mixes tensors TensorFlow keeps in host ",
+                                                "memory on a GPU (int32) with device tensors; group them separately"),
+                        done);
+      if (on_host == 0) OP_REQUIRES_OK_ASYNC(ctx, SetGpuPlacement(ctx, req.get()), done);
+    }
     for (int i = 0; i < num_tensors; ++i) {
       const Tensor& in = ctx->input(i);
       tfmpi::Shape shape;

@@ -27,6 +27,7 @@ figure is wall time.
 """
 import argparse
 import json
+import statistics
 import sys
 
 from tf_mpi.timeline_analysis import step_breakdown, union_length
@@ -39,6 +40,7 @@ PHASES = {
 }
 COLORS = {"negotiate": "#8da0cb", "queue": "#e5c494", "copy": "#fc8d62", "mpi": "#66c2a5"}
 SLOWEST = 5
+TABLE_KEYS = ("step_ms", "negotiate", "queue", "copy", "mpi", "tail_ms")  # the slowest-steps table's columns
 WARMUP_STEPS = 2
 
 
@@ -93,14 +95,8 @@ def _fmt(ms):
     return "<0.01"
 
 
-def _percentile(values, q):
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    pos = (len(ordered) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+def _median(values):
+    return statistics.median(values) if values else 0.0
 
 
 def _boxes(ax, rows, unit):
@@ -116,7 +112,7 @@ def _boxes(ax, rows, unit):
     for patch, (_, _, color) in zip(parts["boxes"], rows):
         patch.set_facecolor(color)
     ax.set_yticks(range(1, len(rows) + 1),
-                  [f"{label}\nmedian {_fmt(_percentile(d, 0.5))} {unit}" for (label, _, _), d in zip(rows, data)])
+                  [f"{label}\nmedian {_fmt(_median(d))} {unit}" for (label, _, _), d in zip(rows, data)])
     ax.set_xlim(left=0)
     ax.grid(axis="x", alpha=0.3)
 
@@ -134,7 +130,7 @@ def plot(trace_path, png_path, skip=WARMUP_STEPS):
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 7), gridspec_kw={"width_ratios": [1, 1.15]})
     (ax_phase, ax_time), (ax_share, ax_table) = axes
-    median_step = _percentile([s["step_ms"] for s in used], 0.5) if used else 0.0
+    median_step = _median([s["step_ms"] for s in used])
     fig.suptitle(f"tf_mpi timeline {trace_path}: {len(steps)} steps"
                  + (f", median step {_fmt(median_step)} ms (steps {indices[0]}-{indices[-1]})"
                     if used else " (no complete step)"), fontsize=12)
@@ -173,11 +169,8 @@ def plot(trace_path, png_path, skip=WARMUP_STEPS):
     ax_table.set_title(f"The {len(slowest)} slowest steps (ms)", fontsize=10)
     if slowest:
         columns = ["step", "total", "negotiate", "queue", "copy", "MPI", "tail"]
-        cells = [[f"#{k}"] + [_fmt(steps[k][key]) for key in
-                              ("step_ms", "negotiate", "queue", "copy", "mpi", "tail_ms")]
-                 for k in slowest]
-        cells.append(["median"] + [_fmt(_percentile([s[key] for s in used], 0.5)) for key in
-                                   ("step_ms", "negotiate", "queue", "copy", "mpi", "tail_ms")])
+        cells = [[f"#{k}"] + [_fmt(steps[k][key]) for key in TABLE_KEYS] for k in slowest]
+        cells.append(["median"] + [_fmt(_median([s[key] for s in used])) for key in TABLE_KEYS])
         table = ax_table.table(cellText=cells, colLabels=columns, loc="center", cellLoc="right")
         table.auto_set_font_size(False)
         table.set_fontsize(9)
@@ -199,7 +192,7 @@ def main(argv=None):
     steps = plot(args.trace, args.png, skip=args.skip)
     used = [steps[k] for k in _measured(steps, args.skip)]
     print(f"{len(steps)} steps; medians over {len(used)}, ms per step: " + ", ".join(
-        f"{k} {_percentile([s[k] for s in used], 0.5):.3g}" for k in ("step_ms", *COLORS, "tail_ms")))
+        f"{k} {_median([s[k] for s in used]):.3g}" for k in TABLE_KEYS))
     return 0
 
 

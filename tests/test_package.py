@@ -18,8 +18,10 @@ PREVIOUS_NAMES = {
     "rank", "rank_op", "reducer", "reducescatter", "rocm_built", "shutdown", "size", "size_op",
     "start_timeline", "stop_timeline",
 }
-# Added for Horovod compatibility (issue 17): horovod.tensorflow has them too.
-ADDED_NAMES = {"broadcast_global_variables", "DistributedOptimizer", "SyncBatchNormalization", "elastic"}
+# Added since: for Horovod compatibility (issue 17; horovod.tensorflow has them too),
+# and the GPU build queries.
+ADDED_NAMES = {"broadcast_global_variables", "DistributedOptimizer", "SyncBatchNormalization", "elastic",
+               "mpi_built_with_cuda_support", "gpu_transport"}
 
 
 def _fresh(code):

@@ -121,9 +121,21 @@ def check_names(worker):
 
 
 def assert_check(run, np, name):
-    """Fails unless check `name` passed on all np ranks of a launch that ended cleanly."""
+    """Fails unless check `name` passed on all np ranks of a launch that ended cleanly (exit code 0).
+
+    A check that raised SkipCheck on every rank is reported as a pytest skip with its reason.
+    """
+    import pytest
     assert not run.timed_out, f"mpirun timed out (hang?)\n{run.describe()}"
     assert sorted(run.results) == list(range(np)), f"missing rank results\n{run.describe()}"
-    failures = {r: res[name] for r, res in run.results.items() if not res.get(name, {}).get("ok")}
+    missing = [r for r, res in sorted(run.results.items()) if name not in res]
+    assert not missing, f"check {name} was not run on ranks {missing}\n{run.describe()}"
+    failures = {r: res[name] for r, res in run.results.items() if not res[name].get("ok")}
     assert not failures, "check failed on ranks " + ", ".join(
-        f"{r}: {v.get('error', 'not run') if v else 'not run'}" for r, v in sorted(failures.items()))
+        f"{r}: {v.get('error', 'no error text')}" for r, v in sorted(failures.items()))
+    # Every check passed, but a rank that then crashed or exited non-zero fails the launch.
+    assert run.returncode == 0, f"a rank exited with a non-zero code\n{run.describe()}"
+    skipped = {res[name].get("skipped") for res in run.results.values()}
+    assert len(skipped) == 1, f"check {name} was skipped on some ranks only: {sorted(map(str, skipped))}"
+    if skipped != {None}:
+        pytest.skip(skipped.pop())

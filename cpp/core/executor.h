@@ -27,10 +27,17 @@ using InFlight = std::unordered_map<std::string, std::unique_ptr<Request>>;
 // Counters since process start, read from other threads: requests completed,
 // requests failed, allreduce buckets (one fused buffer or direct tensor each),
 // on rank 0 allreduces held back to go with later ones (holdback.h), and for
-// GPU requests the bytes each transport moved (gpu_transport.h).
+// GPU requests the bytes each transport moved (gpu_transport.h). The engine
+// adds what shows how it treats callers' threads and shutdown (engine.h):
+// batches a caller executed inline and the largest of them in bytes, batches
+// a caller left to the engine thread, completion callbacks that found an
+// engine lock held (always 0 unless a bug), and protocol messages that never
+// reached their peer at shutdown.
 struct ExecutorStats {
   std::atomic<int64_t> requests{0}, errors{0}, allreduce_buckets{0}, held_back{0};
   std::atomic<int64_t> gpu_requests{0}, gpu_staged_bytes{0}, gpu_direct_bytes{0};
+  std::atomic<int64_t> inline_batches{0}, inline_max_batch_bytes{0}, deferred_batches{0};
+  std::atomic<int64_t> callbacks_under_lock{0}, undelivered_messages{0}, undelivered_bytes{0};
 };
 
 class Executor {
@@ -59,6 +66,9 @@ class Executor {
   void RunBroadcast(const Work& w);
   void RunAlltoall(const Work& w);
   void RunReducescatter(const Work& w);
+  // Whether MPI can move `w` (counts are ints); checked from what every rank
+  // knows alike, so a collective past a limit fails everywhere before any MPI call.
+  Status CheckLimits(const Work& w) const;
   // Average divides by the ranks that contributed (not those that joined).
   double PostScale(const RequestMeta& m, int contributors) const;
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "logging.h"
 
 namespace tfmpi {
 
@@ -60,13 +61,34 @@ Status MpiContext::Init(const InitOptions& opts) {
     g_we_initialized = true;
   }
   if (!ThreadMultiple()) {
-    // The engine calls MPI from one background thread only, so SERIALIZED
-    // would do, but user code (mpi4py) calling MPI concurrently would not be safe.
+    // The engine's own MPI calls are serialised: while the engine runs, every
+    // one of them is made by whichever thread holds the protocol lock (the
+    // engine thread, or a caller driving a small request: Engine::Step), and
+    // Init/Shutdown call MPI only while no engine thread runs. The one
+    // exception is MPI_Abort, which may come from any thread, since a job
+    // stuck inside a collective must still be killable. So
+    // MPI_THREAD_SERIALIZED is enough for the engine alone, and is accepted
+    // when this library initialised MPI itself (an MPI built without
+    // MPI_THREAD_MULTIPLE). MPI initialised by other code at a lower level
+    // than MULTIPLE is refused: that code calls MPI itself (mpi4py), and the
+    // engine thread calls MPI at any moment (rank 0 polls every 20 ms), so
+    // the two would overlap, which SERIALIZED forbids.
     int provided = 0;
     MPI_Query_thread(&provided);
+    const char* level = provided == MPI_THREAD_SERIALIZED ? "MPI_THREAD_SERIALIZED"
+                        : provided == MPI_THREAD_FUNNELED ? "MPI_THREAD_FUNNELED"
+                                                          : "MPI_THREAD_SINGLE";
+    if (!g_we_initialized)
+      return Status::Precondition(std::string("tf_mpi: MPI was initialised (e.g. by mpi4py) with ") + level +
+                                  "; tf_mpi's engine thread calls MPI at any time, concurrently with your code's "
+                                  "MPI calls, so it needs MPI_THREAD_MULTIPLE (mpi4py's default: do not lower "
+                                  "mpi4py.rc.thread_level)");
     if (provided < MPI_THREAD_SERIALIZED)
-      return Status::Precondition("tf_mpi: MPI was initialised with a thread level below MPI_THREAD_SERIALIZED; "
-                                  "initialise it with MPI_THREAD_MULTIPLE (mpi4py does by default)");
+      return Status::Precondition(std::string("tf_mpi: this MPI provides only ") + level +
+                                  "; tf_mpi needs MPI_THREAD_SERIALIZED at least (MPI_THREAD_MULTIPLE to use "
+                                  "mpi4py beside it)");
+    LogWarning(std::string("this MPI provides only ") + level + " (not MPI_THREAD_MULTIPLE): tf_mpi serialises "
+               "its own MPI calls, but MPI calls from your code (mpi4py) while tf_mpi is initialised are unsafe");
   }
 
   MPI_Comm base = MPI_COMM_WORLD;
@@ -120,7 +142,18 @@ void MpiContext::Release() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  // The engine's communicator is never freed. A message sent to an engine
+  // that has stopped (a peer that did not know yet) stays unmatched on it; had
+  // it been freed, the next init()'s MPI_Comm_dup could be given the same
+  // context by Open MPI, and that message would be matched there, taking the
+  // sequence number of the new engine's first message from that peer, which
+  // then is never delivered (tests/workers/hardening_worker.py, "stale").
+  // One communicator per init() is kept until MPI_Finalize.
+  if (comm_ != MPI_COMM_NULL) {
+    static auto* kept = new std::vector<MPI_Comm>();
+    kept->push_back(comm_);
+    comm_ = MPI_COMM_NULL;
+  }
   if (half_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&half_type_);
   for (auto& row : half_ops_)
     for (auto& op : row)

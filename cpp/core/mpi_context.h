@@ -23,7 +23,8 @@ class MpiContext {
   // Initialises MPI if nobody has; duplicates the chosen communicator so the
   // engine's traffic never matches a user's messages.
   Status Init(const InitOptions& opts);
-  // Frees the engine's communicators and ops; MPI itself stays initialised.
+  // Frees the engine's datatype and ops and retires its communicator (kept,
+  // never freed: see mpi_context.cc); MPI itself stays initialised.
   void Release();
   // MPI_Finalize if this library called MPI_Init and MPI is still up.
   static void FinalizeIfOwned();

@@ -3,13 +3,11 @@
 namespace tfmpi {
 
 namespace {
-struct TypeInfo { const char* name; size_t size; bool floating; };
-// Indexed by DataType; one row per type keeps size/name/kind in one place.
+struct TypeInfo { const char* name; size_t size; };
+// Indexed by DataType; one row per type keeps size and name in one place.
 constexpr TypeInfo kTypes[] = {
-    {"uint8", 1, false},   {"int8", 1, false},     {"int32", 4, false},
-    {"int64", 8, false},   {"float16", 2, true},   {"bfloat16", 2, true},
-    {"float32", 4, true},  {"float64", 8, true},   {"bool", 1, false},
-    {"int16", 2, false},   {"uint16", 2, false},
+    {"uint8", 1},   {"int8", 1},     {"int32", 4},   {"int64", 8},  {"float16", 2}, {"bfloat16", 2},
+    {"float32", 4}, {"float64", 8},  {"bool", 1},    {"int16", 2},  {"uint16", 2},
 };
 static_assert(sizeof(kTypes) / sizeof(kTypes[0]) == static_cast<size_t>(DataType::kNumTypes),
               "kTypes must list every DataType");
@@ -17,7 +15,6 @@ static_assert(sizeof(kTypes) / sizeof(kTypes[0]) == static_cast<size_t>(DataType
 
 size_t DataTypeSize(DataType t) { return kTypes[static_cast<int>(t)].size; }
 const char* DataTypeName(DataType t) { return kTypes[static_cast<int>(t)].name; }
-bool IsFloating(DataType t) { return kTypes[static_cast<int>(t)].floating; }
 
 const char* ReduceOpName(ReduceOp op) {
   static const char* names[] = {"Average", "Sum", "Min", "Max", "Product", "Adasum"};

@@ -22,7 +22,6 @@ size_t DataTypeSize(DataType t);
 const char* DataTypeName(DataType t);
 const char* ReduceOpName(ReduceOp op);
 const char* CollectiveName(CollectiveType t);
-bool IsFloating(DataType t);
 
 // Why a collective failed; the message is shown to the user verbatim.
 enum class StatusCode : uint8_t { kOk = 0, kInvalidArgument, kPrecondition, kAborted, kInternal };

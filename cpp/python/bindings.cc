@@ -362,10 +362,19 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("allreduce_buckets") = s.allreduce_buckets.load(), py::arg("held_back") = s.held_back.load(),
                     py::arg("gpu_requests") = s.gpu_requests.load(),
                     py::arg("gpu_staged_bytes") = s.gpu_staged_bytes.load(),
-                    py::arg("gpu_direct_bytes") = s.gpu_direct_bytes.load());
+                    py::arg("gpu_direct_bytes") = s.gpu_direct_bytes.load(),
+                    py::arg("inline_batches") = s.inline_batches.load(),
+                    py::arg("inline_max_batch_bytes") = s.inline_max_batch_bytes.load(),
+                    py::arg("deferred_batches") = s.deferred_batches.load(),
+                    py::arg("callbacks_under_lock") = s.callbacks_under_lock.load(),
+                    py::arg("undelivered_messages") = s.undelivered_messages.load(),
+                    py::arg("undelivered_bytes") = s.undelivered_bytes.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
-     "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI).");
+     "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
+     "batches a caller's thread executed inline (and the largest, in bytes), batches it left to the engine\n"
+     "thread, completion callbacks run under an engine lock (a bug if not 0), and protocol messages (and\n"
+     "bytes) that never reached their peer at shutdown.");
   py::class_<DeviceArray, std::shared_ptr<DeviceArray>>(
       m, "DeviceArray",
       "GPU memory holding a collective's result; use it through __cuda_array_interface__, e.g. cupy.asarray(a).")

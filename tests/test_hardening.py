@@ -1,0 +1,53 @@
+"""The engine's hazards (issue 18), each provoked on purpose under real mpirun:
+what a caller's thread executes inline, where completion callbacks run,
+messages left at shutdown, counts beyond MPI's ints, a garbled protocol
+message, and the MPI thread level. numpy-only workers (tests/workers/hardening_worker.py)."""
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "hardening_worker.py"
+SCENARIOS = {"engine": 3, "big": 1, "corrupt": 3, "stale": 2, "serialized": 2}
+# 64 MiB chunks: the > 2^31 reducescatter moves 2 GiB, in fewer calls than the default 1 MiB.
+ENV = {"big": {"TF_MPI_CHUNK_BYTES": str(64 << 20)}}
+_runs = {}
+
+
+def launch(scenario):
+    if scenario not in _runs:
+        _runs[scenario] = run_mpi(SCENARIOS[scenario], WORKER, timeout=180, env=ENV.get(scenario), args=[scenario])
+    return _runs[scenario]
+
+
+def checks_of(scenario):
+    """The check_* names a scenario's branch of the worker defines."""
+    import os
+    import re
+    from mpi_harness import WORKERS
+    text = open(os.path.join(WORKERS, WORKER)).read()
+    branch = re.search(rf'SCENARIO == "{scenario}":\n(.*?)(?=\n(?:el)?if |\nif __name__)', text, re.S).group(1)
+    return re.findall(r"^    def (check_\w+)\(", branch, flags=re.M)
+
+
+CASES = [(s, c) for s in SCENARIOS for c in checks_of(s)]
+
+
+@pytest.mark.parametrize("scenario,check", CASES, ids=[f"{s}-{c}" for s, c in CASES])
+def test_hardening(scenario, check):
+    assert_check(launch(scenario), SCENARIOS[scenario], check)
+
+
+def test_undelivered_messages_are_reported_with_their_peer():
+    run = launch("engine")
+    assert_check(run, 3, "check_shutdown_sends_nothing_to_a_departed_rank_and_cancels_what_is_left")
+    assert "[tf_mpi rank 2] WARNING: at shutdown 1 protocol message(s)" in run.output, run.describe()
+    assert "to rank 0 were never received" in run.output, run.describe()
+    assert "[tf_mpi rank 0] WARNING: at shutdown" not in run.output, run.describe()
+
+
+def test_rank0_logs_why_it_stopped_coordinating():
+    run = launch("corrupt")
+    assert_check(run, 3, "check_a_garbled_announcement_stops_the_engine_cleanly_everywhere")
+    assert ("[tf_mpi rank 0] ERROR: tf_mpi: rank 0 stopped coordinating after an internal error: "
+            "tf_mpi: truncated negotiation message") in run.output, run.describe()
+    assert "terminate called" not in run.output, run.describe()

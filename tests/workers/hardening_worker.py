@@ -1,0 +1,274 @@
+"""The engine's hazards, each provoked on purpose (issue 18). numpy and the
+pybind module only (no TensorFlow: each launch starts in about a second).
+The scenario is argv[1]; tests/test_hardening.py launches each one.
+
+  engine      np=3: callers' threads execute only small batches inline; completion
+              callbacks never run under an engine lock; shutdown sends nothing to
+              a departed rank and reports, then cancels, what could not be delivered;
+              reducescatter in chunks; an allgather beyond MPI's int counts
+              fails on every rank and the engine goes on
+  big         np=1, TF_MPI_CHUNK_BYTES=64 MiB: a reducescatter of more than 2^31
+              elements per rank works (calloc'd zeros in, 2 GiB out)
+  corrupt     np=3: rank 1 sends rank 0 a garbled announcement; rank 0 stops
+              coordinating cleanly, every rank's op fails, shutdown() + init() recover
+  stale       np=2: a message sent to a stopped engine is not taken for traffic of the
+              engine the next init() starts
+  serialized  np=2: MPI initialised by mpi4py at MPI_THREAD_SERIALIZED is refused
+"""
+import os
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _checks import run_checks  # noqa: E402
+
+# The pybind module alone (tf_mpi/__init__.py imports TensorFlow).
+_pkg = types.ModuleType("tf_mpi")
+_pkg.__path__ = [os.path.join(os.path.dirname(os.path.dirname(HERE)), "tf_mpi")]
+sys.modules.setdefault("tf_mpi", _pkg)
+
+SCENARIO = sys.argv[1]
+WORLD_RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+AVERAGE, SUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4
+INT_MAX = 2**31 - 1
+
+if SCENARIO == "serialized":
+    import mpi4py
+    mpi4py.rc.thread_level = "serialized"
+    from mpi4py import MPI  # noqa: E402
+    from tf_mpi import _core  # noqa: E402
+else:
+    if SCENARIO == "corrupt" and WORLD_RANK == 1:
+        # Read when the engine starts: rank 1's 3rd announcement message loses its last byte.
+        os.environ["TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT"] = "3"
+    from tf_mpi import _core  # noqa: E402
+    _core.init()
+    from mpi4py import MPI  # noqa: E402  (adopts the MPI tf_mpi initialised, at MPI_THREAD_MULTIPLE)
+
+WORLD = MPI.COMM_WORLD
+
+
+def sum_of_ranks(name):
+    y = _core.allreduce(np.array([float(_core.rank())], np.float32), SUM, name)
+    assert y[0] == sum(range(_core.size())), (name, y)
+
+
+def expect_error(fn, *words, within=10.0):
+    """Runs fn, which must raise an error whose text contains `words`, within `within` s; returns the text."""
+    start = time.time()
+    try:
+        fn()
+    except (RuntimeError, ValueError) as e:
+        text = str(e)
+        assert all(w in text for w in words), (words, text)
+        assert time.time() - start < within, (time.time() - start, text)
+        return text
+    raise AssertionError(f"no error (expected one mentioning {words})")
+
+
+if SCENARIO == "engine":
+    INLINE_BYTES = 64 << 10  # TF_MPI_INLINE_BYTES's default
+
+    def check_inline_callers_execute_only_batches_that_fit_the_inline_size():
+        # Two threads submit 1 KiB allreduces (which they drive themselves),
+        # one thread 1 MiB ones: a small request's caller regularly receives a
+        # batch holding a 1 MiB allreduce. It must leave it to the engine thread.
+        n = _core.size()
+
+        def loop(tag, count, elems, rnd):
+            for i in range(count):
+                y = _core.allreduce(np.full(elems, _core.rank() + 1, np.float32), SUM, f"{tag}.{rnd}.{i}")
+                assert y.shape == (elems,) and np.all(y == n * (n + 1) / 2), (tag, i)
+
+        for rnd in range(20):
+            threads = [threading.Thread(target=loop, args=("small.a", 150, 256, rnd)),
+                       threading.Thread(target=loop, args=("small.b", 150, 256, rnd)),
+                       threading.Thread(target=loop, args=("big", 15, 1 << 18, rnd))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+                assert not t.is_alive(), "a submitting thread hangs"
+            s = _core.stats()
+            # Go on until every rank has seen a caller meet a large batch.
+            if WORLD.allreduce(int(s["deferred_batches"] > 0), op=MPI.MIN):
+                break
+        s = _core.stats()
+        assert s["deferred_batches"] > 0, s  # the hazard's situation did arise
+        assert s["inline_batches"] > 0, s    # and callers still ran small batches themselves
+        assert 0 < s["inline_max_batch_bytes"] <= INLINE_BYTES, s
+
+    def check_error_paths_complete_their_callers():
+        # Completions from every path that fails a request: a duplicate name in
+        # flight (refused locally), a mismatch (rank 0's error decision).
+        r, n = _core.rank(), _core.size()
+        done = {}
+
+        def first():
+            done["first"] = _core.allreduce(np.ones(4, np.float32), SUM, "dup.name")
+
+        t = threading.Thread(target=first)
+        if r == 0:
+            t.start()
+            time.sleep(0.5)  # "dup.name" is in flight on rank 0 (the others have not submitted it)
+            expect_error(lambda: _core.allreduce(np.ones(4, np.float32), SUM, "dup.name"), "already in flight")
+        WORLD.Barrier()
+        if r != 0:
+            t.start()
+        t.join(timeout=30)
+        assert not t.is_alive() and np.all(done["first"] == n), done
+        shape = (3,) if r == 1 else (4,)
+        expect_error(lambda: _core.allreduce(np.ones(shape, np.float32), SUM, "mismatch"),
+                     "mismatched allreduce 'mismatch'", "shape")
+        sum_of_ranks("after.errors")
+
+    def check_shutdown_sends_nothing_to_a_departed_rank_and_cancels_what_is_left():
+        r = _core.rank()
+        WORLD.Barrier()
+        if r == 1:
+            _core.shutdown()
+        WORLD.Barrier()
+        if r != 1:
+            # A decision larger than any eager limit (its name is 300 kB):
+            # rank 0 must not send it to rank 1, which stopped receiving.
+            expect_error(lambda: _core.allreduce(np.ones(1, np.float32), SUM, "long." + "x" * 300_000),
+                         "rank 1 called shutdown()")
+            # Each announcement of it made rank 0 send an error decision; one
+            # more collective makes rank 2 receive every one of them.
+            expect_error(lambda: _core.allreduce(np.ones(1, np.float32), SUM, "sync"), "rank 1 called shutdown()")
+        WORLD.Barrier()
+        if r == 0:
+            # By now rank 2's engine thread has stopped spinning after its last
+            # collective and sleeps until a submission: it will not see the
+            # "rank 0 left" message before it announces its next collective.
+            time.sleep(0.3)
+            _core.shutdown()
+            s = _core.stats()
+            assert s["undelivered_messages"] == 0 and s["undelivered_bytes"] == 0, s
+        WORLD.Barrier()
+        if r == 2:
+            # Rank 0's engine is gone, rank 2's does not know yet: it announces
+            # (1 MB, never received), then learns and fails the op. Its
+            # shutdown must cancel the announcement, not free it under MPI.
+            expect_error(lambda: _core.allreduce(np.ones(1, np.float32), SUM, "gone." + "y" * 1_000_000),
+                         "rank 0 called shutdown()")
+            _core.shutdown()
+            s = _core.stats()
+            assert s["undelivered_messages"] == 1 and s["undelivered_bytes"] > 1_000_000, s
+        WORLD.Barrier()
+        _core.init()
+        sum_of_ranks("after.reinit")
+
+    def check_reducescatter_in_chunks_across_ranks():
+        # 4 MB of float32 in 1 MiB MPI calls: each rank's block (uneven: 1001
+        # rows over 3 ranks) is reduced onto its rank in two calls.
+        r, n = _core.rank(), _core.size()
+        rows, cols = 1001, 1000
+        x = (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) % 1000) * (r + 1)
+        want_all = (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) % 1000) * (n * (n + 1) / 2)
+        counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
+        start = sum(counts[:r])
+        out = _core.reducescatter(x, SUM, "rs.chunks")
+        assert out.shape == (counts[r], cols) and np.array_equal(out, want_all[start:start + counts[r]]), r
+        avg = _core.reducescatter(x, AVERAGE, "rs.chunks.avg")
+        assert np.allclose(avg, want_all[start:start + counts[r]] / n), r
+
+    def check_allgather_beyond_int_counts_fails_on_every_rank_and_the_engine_goes_on():
+        # A row longer than 2^31-1 bytes, then more than 2^31-1 rows: both fail
+        # on every rank before any MPI call (calloc'd zeros: no memory used).
+        expect_error(lambda: _core.allgather(np.zeros((1, INT_MAX + 1), np.int8), "ag.long.row"),
+                     "allgather 'ag.long.row'", "2^31-1 bytes")
+        expect_error(lambda: _core.allgather(np.zeros(INT_MAX // _core.size() + 1, np.int8), "ag.many.rows"),
+                     "allgather 'ag.many.rows'", "2^31-1 rows")
+        y = _core.allgather(np.full((2, 3), _core.rank(), np.int32), "ag.after")
+        assert y.shape == (2 * _core.size(), 3) and np.all(y[::2] == np.arange(_core.size())[:, None])
+
+    def check_completion_callbacks_never_ran_under_an_engine_lock():
+        # Last: counts every completion of the checks above (inline, deferred,
+        # failed, shut down). The engine counts each callback that found an
+        # engine lock held on its thread.
+        s = _core.stats()
+        assert s["requests"] > 300 and s["errors"] >= 1, s
+        assert s["callbacks_under_lock"] == 0, s
+
+elif SCENARIO == "big":
+    def check_reducescatter_above_int_max_elements_per_rank():
+        # Each rank's block has 2^31 + 3 int8 elements, so one MPI call could
+        # not count it. The input is calloc'd zeros (untouched pages cost no
+        # memory) with markers at the edges of blocks, of 64 MiB chunks
+        # (TF_MPI_CHUNK_BYTES in this launch) and of the int range.
+        r, n = _core.rank(), _core.size()
+        block, chunk = 2**31 + 3, 1 << 26
+        x = np.zeros(n * block, np.int8)
+        marks = sorted({0, 1, chunk - 1, chunk, INT_MAX - 1, INT_MAX, INT_MAX + 1, block - 1})
+        x[[b * block + m for b in range(n) for m in marks]] = r + 1  # every rank: sum n(n+1)/2
+        x[r * block + 12345 + r] = 10 * (r + 1)                      # rank r alone: 10(r+1)
+        out = _core.reducescatter(x, SUM, "rs.big")
+        del x
+        assert out.shape == (block,), out.shape
+        want = {m: n * (n + 1) // 2 for m in marks}
+        want[12345 + r] = want.get(12345 + r, 0) + 10 * (r + 1)
+        # Every non-zero element, found 8 bytes at a time.
+        whole = block // 8 * 8
+        words = np.flatnonzero(out[:whole].view(np.uint64))
+        got = {int(w) * 8 + j: int(out[w * 8 + j]) for w in words for j in range(8) if out[w * 8 + j]}
+        got.update({i: int(out[i]) for i in range(whole, block) if out[i]})
+        assert got == want, (sorted(got.items()), sorted(want.items()))
+
+elif SCENARIO == "corrupt":
+    def check_a_garbled_announcement_stops_the_engine_cleanly_everywhere():
+        r = _core.rank()
+        for i in range(2):  # announcement messages 1 and 2 of rank 1 are intact
+            sum_of_ranks(f"intact.{i}")
+        # Rank 1's 3rd message is one byte short; rank 0 cannot decode it.
+        expect_error(lambda: sum_of_ranks("garbled"),
+                     "internal error: tf_mpi: truncated negotiation message" if r == 0 else "rank 0 called shutdown()")
+        # Later collectives fail at once with the reason, until shutdown() and init().
+        expect_error(lambda: sum_of_ranks("refused"),
+                     "stopped coordinating" if r == 0 else "rank 0 called shutdown()", within=2)
+        os.environ.pop("TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT", None)
+        _core.shutdown()
+        _core.init()
+        for i in range(3):
+            sum_of_ranks(f"after.reinit.{i}")
+
+elif SCENARIO == "stale":
+    def check_a_message_sent_to_a_stopped_engine_never_reaches_the_next_one():
+        r = _core.rank()
+        WORLD.Barrier()
+        if r == 0:
+            time.sleep(0.3)  # rank 1's engine thread is asleep: it will not hear of this before it announces
+            _core.shutdown()
+        WORLD.Barrier()
+        if r == 1:
+            # Announced to rank 0's stopped engine (a small, eagerly delivered message), then failed.
+            expect_error(lambda: sum_of_ranks("stale.x"), "rank 0 called shutdown()")
+            _core.shutdown()
+        WORLD.Barrier()
+        _core.init()
+        # Had the old engine's communicator been freed, Open MPI would give its
+        # context to the new one, and with it that message: matched there, it
+        # takes the sequence number of rank 1's first new message, which then
+        # never arrives, and this collective hangs.
+        if r == 1:
+            time.sleep(1.0)
+        sum_of_ranks("stale.x")
+        sum_of_ranks("after.stale")
+
+
+elif SCENARIO == "serialized":
+    def check_mpi_initialised_by_others_below_thread_multiple_is_refused():
+        assert MPI.Query_thread() == MPI.THREAD_SERIALIZED, MPI.Query_thread()
+        text = expect_error(lambda: _core.init(), "MPI_THREAD_SERIALIZED", "needs MPI_THREAD_MULTIPLE")
+        assert not _core.is_initialized(), text
+        # mpi4py itself is unaffected.
+        assert WORLD.allreduce(1) == WORLD.Get_size()
+
+
+if __name__ == "__main__":
+    run_checks(globals(), WORLD_RANK)

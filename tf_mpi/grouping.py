@@ -8,39 +8,60 @@ still computes the rest (wait-free backpropagation). The plan:
    this is read from the graph: the creation index of each gradient's
    producing op (``tape.gradient`` emits ops in backprop order). In eager code
    the variable list reversed is used.
-2. **Cut** that order with an alpha-beta cost model (as in MG-WFBP): a
-   message costs ``alpha + beta * bytes``. A group is closed as soon as it is
-   bandwidth-bound, i.e. its transfer time ``beta * bytes`` is at least
-   ``MIN_GROUP_COST_FACTOR`` (4) times the per-message latency ``alpha`` (so
-   start-up is at most a fifth of its cost): merging more into it would save
-   little, while sending it now lets it overlap the rest of backprop. Such a
-   cut waits for the end of a layer: one layer's backward op produces all its
-   gradients at about the same time (an LSTM's kernel and recurrent kernel
-   both come out of one loop over time), so a cut inside it would add a
-   message without adding overlap. Layers are read from variable paths
-   (``"lstm_1/lstm_cell/kernel"`` belongs to ``"lstm_1/lstm_cell"``).
-   Latency-bound tensors (small biases, small layers) are merged into the
-   next ones instead. No group grows beyond ``threshold_bytes`` (default
-   ``TF_MPI_GROUP_BYTES`` = 4 MiB) unless a single tensor is larger; such a
-   tensor also takes the latency-bound tensors just before it, which would
-   otherwise be a message of their own that costs a start-up and overlaps
-   nothing (e.g. an LSTM's 2 KiB bias before a 10 MiB embedding). For the
-   same reason a latency-bound remainder at the end of backprop joins the
-   group before it.
+2. **Cut** that order into contiguous groups with an alpha-beta cost model
+   (as in MG-WFBP): a message costs ``alpha + beta * bytes``; ``overlap`` is
+   the share of a transfer that hides behind computation (step 3). A group
+   is *bandwidth-bound* when the hidden part of its transfer,
+   ``overlap * beta * bytes``, is at least ``MIN_GROUP_COST_FACTOR`` (4)
+   times the latency ``alpha`` (start-up is then at most a fifth of what an
+   early message costs), and *latency-bound* otherwise; with ``overlap`` 0
+   every group is latency-bound. The rules, each pinned by a test on
+   synthetic layer lists in tests/test_grouping_plan.py:
+
+   a. *Bandwidth-bound cut.* A group is closed once it is bandwidth-bound:
+      merging more into it would save little, while sending it now lets it
+      overlap the rest of backprop. A latency-bound group keeps taking the
+      next tensors.
+   b. *Layer boundary.* That cut waits for the end of the current layer: a
+      layer's backward op produces all its gradients at about the same time
+      (all the weights of one op, or of one loop over time), so a cut inside
+      it would add a message without adding overlap. Layers are read from
+      variable paths (``"block_1/conv/kernel"`` belongs to
+      ``"block_1/conv"``); consecutive tensors of one layer stay together.
+   c. *Byte bound.* No group grows beyond ``threshold_bytes`` (default
+      ``TF_MPI_GROUP_BYTES`` = 4 MiB): a group is closed before the tensor
+      that would take it past the bound, inside a layer too.
+   d. *A tensor over the bound* is a group of its own, except that the
+      latency-bound group before it (one rule a has not closed) joins it:
+      sent alone, that group would cost a start-up and hide next to nothing.
+      With ``overlap`` 0 that is everything since the last cut.
+   e. *Latency-bound remainder at the end.* What is left after the last cut
+      is latency-bound (a bandwidth-bound group is closed by rule a at its
+      layer's end). It is ready only when backprop is over, so as a message
+      of its own it would overlap nothing and add a start-up to the critical
+      path: it joins the group before it if both fit within the byte bound.
+
    ``alpha`` and ``beta`` are measured once with probe allreduces and rank
    0's values are used everywhere, so every rank derives the same plan.
 3. **Count only the overlap the machine allows.** An early group pays off
    only if its transfer really runs while backprop computes. The probe in
    tf_mpi.overlap_probe measures the share that does (``overlap``), and only
-   that share counts toward the bound above: a group is cut once
-   ``overlap * beta * bytes >= 4 * alpha``. Where communication and
-   computation share the cores (CPU training with as many ranks as cores,
-   shared-memory transport) the probe measures 0, nothing is worth an early
-   message, and only the byte bound cuts: small models become one group.
+   that share counts in rule a: with ``overlap`` 0.5 a group needs twice the
+   bytes to be worth an early message. Where communication and computation
+   share the cores (CPU training with as many ranks as cores, shared-memory
+   transport) the probe measures 0, no group is ever worth an early message,
+   and only the byte bound (rules c and d) cuts: a model whose gradients fit
+   within the bound is one group.
 
 ``num_groups`` (equal-byte contiguous groups) or explicit ``groups`` (lists of
 variables) override steps 2 and 3. Every rank checks at trace time that all ranks
 derived the same plan and raises a clear error otherwise.
+
+The plan decides which gradients each grouped allreduce takes. With
+``TF_MPI_AUTOTUNE=plan`` (or ``1``) rank 0's engine may in addition hold a
+group back and send consecutive groups as one message, if the tuner measured
+that faster; ``Plan.describe()`` says so, and rank 0 logs the plan in effect
+on the wire once, when the tuner finishes (``effective plan: ...``).
 
 Example::
 
@@ -63,7 +84,14 @@ DEFAULT_GROUP_BYTES = 4 << 20
 class CostModel:
     """Per-message latency ``alpha`` (s) and per-byte cost ``beta`` (s/byte) of
     an allreduce, and ``overlap``: the share of its time that hides behind
-    computation (1: free in the background; 0: none, see tf_mpi.overlap_probe)."""
+    computation (1: free in the background; 0: none, see tf_mpi.overlap_probe).
+
+    Example::
+
+        model = CostModel(alpha=50e-6, beta=1e-9, overlap=1.0)
+        model.break_even_bytes                      # 50000.0
+        plan = make_plan(grads, variables, cost_model=model)   # no probe, no MPI needed
+    """
     alpha: float
     beta: float
     overlap: float = 1.0
@@ -86,6 +114,12 @@ def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=11):
     plan the same from one launch to the next. The result is rank 0's
     (broadcast), so plans derived from it agree everywhere. It is measured
     once per process and cached.
+
+    Example::
+
+        hvd.init()
+        model = tf_mpi.grouping.measure_cost_model()   # on every rank
+        print(f"alpha {model.alpha * 1e6:.0f} us, overlap {model.overlap:.2f}")
     """
     global _cost_model
     if _cost_model is not None:
@@ -111,30 +145,71 @@ def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=11):
 
 @dataclass
 class Group:
-    """Gradients reduced by one grouped allreduce, in the order they are produced."""
+    """Gradients reduced by one grouped allreduce, in the order they are produced.
+
+    Example: ``[(g.nbytes, len(g.indices)) for g in opt.grouping_plan.groups]``
+    """
     indices: list
     names: list
     nbytes: int
 
 
+def _autotune_merges_groups():
+    """Whether TF_MPI_AUTOTUNE lets rank 0's holdback merge groups (its values plan and 1)."""
+    return os.environ.get("TF_MPI_AUTOTUNE", "0") in ("1", "plan")
+
+
 @dataclass
 class Plan:
-    """The grouping of one gradient list. ``groups[0]`` is communicated first."""
+    """The grouping of one gradient list, in backprop order: ``groups[0]`` holds the gradients produced first.
+
+    ``name`` is the prefix of the groups' collectives: group k is the grouped
+    allreduce ``collective_name(k)`` (``"<name>.group<k>"``), the name the
+    engine's log and timeline show.
+
+    Example::
+
+        plan = opt.grouping_plan            # after the first training step
+        print(plan.describe())
+        sizes = [g.nbytes for g in plan.groups]
+    """
     groups: list
     order: list
     source: str
     threshold_bytes: int = 0
     cost_model: CostModel = None
     fingerprint: str = field(default="", repr=False)
+    name: str = ""
+
+    def collective_name(self, k):
+        """Name of group k's grouped allreduce (equal on all ranks)."""
+        return f"{self.name}.group{k}"
 
     def describe(self):
-        """A human-readable table of the plan."""
+        """A human-readable table of the plan: one line per group, in the order they are sent.
+
+        With ``TF_MPI_AUTOTUNE=plan`` or ``1`` in the environment a last line
+        says that rank 0 may merge consecutive groups on the wire, and where
+        the plan in effect is logged.
+
+        Example::
+
+            print(opt.grouping_plan.describe())
+            # grouping plan (...): 2 groups, threshold 4194304 B, ...
+            #   group 0 (DistributedAdam.group0): 1058816 B, 4 tensors: dense_2/bias, ...
+            #   group 1 (DistributedAdam.group1): 1607680 B, 2 tensors: dense/bias, dense/kernel
+        """
         lines = [f"grouping plan ({self.source}): {len(self.groups)} groups"
                  + (f", threshold {self.threshold_bytes} B" if self.threshold_bytes else "")
                  + (f", alpha {self.cost_model.alpha * 1e6:.1f} us, beta {self.cost_model.beta * 1e9:.3f} ns/B"
                     f", overlap {self.cost_model.overlap:.2f}" if self.cost_model else "")]
         for k, g in enumerate(self.groups):
-            lines.append(f"  group {k}: {g.nbytes} B, {len(g.indices)} tensors: {', '.join(g.names)}")
+            label = f"group {k} ({self.collective_name(k)})" if self.name else f"group {k}"
+            lines.append(f"  {label}: {g.nbytes} B, {len(g.indices)} tensors: {', '.join(g.names)}")
+        if _autotune_merges_groups():
+            lines.append("  TF_MPI_AUTOTUNE is on: rank 0's holdback may send consecutive groups as one message "
+                         "if the tuner measures that faster; rank 0 logs the plan in effect on the wire once, "
+                         "when the tuner finishes (\"effective plan: ...\")")
         return "\n".join(lines)
 
 
@@ -150,6 +225,8 @@ def production_order(grads):
 
     Symbolic gradients (inside tf.function) are ordered by the creation index
     of their producing op; eager gradients by reversed position.
+
+    Example: ``production_order([g0, g1, g2])`` of eager tensors is ``[2, 1, 0]``
     """
     def op_of(g):
         values = getattr(g, "values", g)  # IndexedSlices -> its values
@@ -174,42 +251,38 @@ def layer_of(variable_name):
     return name.rsplit("/", 1)[0] if "/" in name else name
 
 
-# A group is closed once its transfer time is this many times the message
-# latency alpha (start-up at most 1/5 of its cost). Lower: more, earlier
-# messages (more overlap, more start-ups); higher: fewer, later ones.
+# Rule a: a group is closed once the hidden part of its transfer is this many times the
+# message latency alpha (start-up at most 1/5 of its cost). Lower: more, earlier messages
+# (more overlap, more start-ups); higher: fewer, later ones.
 MIN_GROUP_COST_FACTOR = 4
 
 
 def _cut_when_bandwidth_bound(order, sizes, cost_model, threshold, layers=None):
-    """Contiguous groups in backprop order: each closes once it is
-    bandwidth-bound (see MIN_GROUP_COST_FACTOR; the part of its transfer that
-    hides behind computation counts) at the end of a layer
-    (`layers[i]`: tensor i's layer; None: every tensor is a layer), or before
-    it would exceed `threshold` bytes. A latency-bound group is never sent on
-    its own when it can join a neighbour: it joins a following tensor that
-    alone exceeds `threshold`, and a latency-bound remainder at the end joins
-    the group before it."""
-    # Sending a group early hides overlap * beta * bytes and costs one start-up.
-    # With no overlap nothing is worth an early message: only the byte bound cuts.
+    """Cuts `order` (tensor indices in backprop order) into contiguous groups by
+    rules a-e of the module docstring. `sizes[i]`: tensor i's bytes;
+    `layers[i]`: its layer (None: every tensor is a layer of its own);
+    `threshold`: the byte bound."""
+    # Rule a's bound in bytes: sending a group early hides overlap * beta * bytes and costs
+    # one start-up. With no overlap nothing is worth an early message (only rules c-d cut).
     hidden_share = cost_model.overlap
     enough = MIN_GROUP_COST_FACTOR * cost_model.break_even_bytes / hidden_share if hidden_share > 0 else float("inf")
     order = list(order)
     groups, current, current_bytes = [], [], 0
     for k, i in enumerate(order):
-        rides_along = sizes[i] > threshold and current_bytes < enough
-        if current and current_bytes + sizes[i] > threshold and not rides_along:
-            groups.append(current)
+        # Rule d: a tensor over the byte bound takes the latency-bound group before it along.
+        takes_current_along = sizes[i] > threshold and current_bytes < enough
+        if current and current_bytes + sizes[i] > threshold and not takes_current_along:
+            groups.append(current)  # rule c
             current, current_bytes = [], 0
         current.append(i)
         current_bytes += sizes[i]
         layer_ends = layers is None or k + 1 == len(order) or layers[order[k + 1]] != layers[i]
         if current_bytes >= enough and layer_ends:
-            groups.append(current)
+            groups.append(current)  # rules a and b
             current, current_bytes = [], 0
     if current:
-        # A remainder is latency-bound (a bandwidth-bound one was closed above). Backprop
-        # has ended when it is ready, so it overlaps nothing and would be one more
-        # start-up on the critical path.
+        # Rule e: the remainder is latency-bound (a bandwidth-bound one was closed above) and
+        # ready only when backprop is over: one more start-up on the critical path.
         if groups and sum(sizes[i] for i in groups[-1]) + current_bytes <= threshold:
             groups[-1].extend(current)
         else:
@@ -231,7 +304,7 @@ def _equal_bytes(order, sizes, num_groups):
     return groups
 
 
-def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None, cost_model=None):
+def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None, cost_model=None, name=""):
     """Builds the grouping plan for `grads` (dense tensors) of `variables`.
 
     Args:
@@ -241,6 +314,13 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
       num_groups: if > 0, that many contiguous groups of about equal bytes.
       groups: explicit lists of variables; variables in no list form one last group.
       cost_model: a CostModel; default: measured once (collective).
+      name: prefix of the groups' collective names (``Plan.collective_name``).
+
+    Example::
+
+        grads = tape.gradient(loss, model.trainable_variables)
+        plan = tf_mpi.grouping.make_plan(grads, model.trainable_variables, threshold_bytes=1 << 20)
+        print(plan.describe())
     """
     sizes = [_nbytes(g, v) for g, v in zip(grads, variables)]
     names = [getattr(v, "path", None) or getattr(v, "name", str(i)) for i, v in enumerate(variables)]
@@ -263,14 +343,17 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
         index_groups = _cut_when_bandwidth_bound(order, sizes, model, threshold, layers)
         source = "backprop order, cut at layer ends when bandwidth-bound (alpha-beta), byte bound"
     plan = Plan([Group(g, [names[i] for i in g], sum(sizes[i] for i in g)) for g in index_groups],
-                order, source, threshold, model)
+                order, source, threshold, model, name=name)
     signature = repr([(g.names, g.nbytes) for g in plan.groups]).encode()
     plan.fingerprint = hashlib.sha256(signature).hexdigest()
     return plan
 
 
 def verify_same_plan_everywhere(plan, name):
-    """Raises ValueError on every rank if the ranks derived different plans (collective)."""
+    """Raises ValueError on every rank if the ranks derived different plans (collective).
+
+    Example: ``verify_same_plan_everywhere(plan, "my_loop")`` (on every rank, with the same name)
+    """
     from tf_mpi.basics import _core, Min, Max
     h = np.array([int(plan.fingerprint[:15], 16)], np.int64)
     lo = _core.allreduce(h, Min, f"tfmpi.plancheck.{name}.min")

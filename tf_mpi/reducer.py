@@ -121,7 +121,7 @@ class GradientReducer:
             return out
         plan = grouping.make_plan([out[i] for i in dense], [variables[i] for i in dense],
                                   threshold_bytes=self.threshold_bytes, num_groups=self.num_groups,
-                                  groups=self.groups)
+                                  groups=self.groups, name=self.name)
         if plan.fingerprint not in self._verified:
             grouping.verify_same_plan_everywhere(plan, self.name)
             self._verified.add(plan.fingerprint)
@@ -131,7 +131,7 @@ class GradientReducer:
             backprop_order.order_backprop([[out[dense[j]] for j in group.indices] for group in plan.groups])
         for k, group in enumerate(plan.groups):
             members = [dense[j] for j in group.indices]
-            reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=f"{self.name}.group{k}",
+            reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=plan.collective_name(k),
                                             prescale_factor=prescale, postscale_factor=postscale,
                                             compression=self.compression)
             for i, r in zip(members, reduced):

@@ -66,6 +66,24 @@ std::vector<Holdback::Runs> MergeCandidates(const std::vector<std::string>& orde
 }
 }  // namespace
 
+std::vector<std::string> TuneSetting::EffectivePlan(const std::vector<std::string>& order) const {
+  // Every allreduce alone when nothing is held; else the runs (a partition of `order`).
+  Holdback::Runs groups = runs;
+  if (groups.empty())
+    for (const std::string& name : order) groups.push_back({name});
+  std::vector<std::string> lines;
+  lines.push_back("effective plan: " + std::to_string(groups.size()) + " groups on the wire, from the " +
+                  std::to_string(order.size()) + " allreduces of a step in the order they were sent" +
+                  (runs.empty() ? " (nothing held back)" : " (rank 0's holdback sends each group as one message)"));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::ostringstream line;
+    line << "  group " << g << ": " << groups[g].size() << (groups[g].size() == 1 ? " allreduce: " : " allreduces: ");
+    for (size_t i = 0; i < groups[g].size(); ++i) line << (i ? " + " : "") << groups[g][i];
+    lines.push_back(line.str());
+  }
+  return lines;
+}
+
 std::string TuneSetting::RunsString() const {
   if (runs.empty()) return "every allreduce as it comes";
   std::ostringstream os;
@@ -197,6 +215,11 @@ std::optional<TuneSetting> Autotuner::NextStage() {
     return BeginVisit();
   }
   report_.push_back("chosen: " + best_.tunables.ToString() + " groups " + best_.RunsString());
+  if (recorded_[1].empty()) {
+    report_.push_back("effective plan: as the framework sends it (no steady step to merge in; nothing held back)");
+  } else {
+    for (std::string& line : best_.EffectivePlan(recorded_[1])) report_.push_back(std::move(line));
+  }
   return best_;
 }
 

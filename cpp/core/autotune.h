@@ -40,6 +40,12 @@ struct TuneSetting {
   Tunables tunables;
   Holdback::Runs runs;  // a partition of the step's allreduces; empty: hold nothing
   std::string RunsString() const;
+  // The plan on the wire under this setting, as report lines laid out like the Python
+  // grouping plan's describe() ("effective plan: N groups ...", then "  group k: ..."),
+  // given the step's holdable allreduces in the order they were decided. Each
+  // allreduce is named as the framework named it (a Keras DistributedOptimizer's
+  // plan group k is "<name>.group<k>"), so the lines map onto describe()'s groups.
+  std::vector<std::string> EffectivePlan(const std::vector<std::string>& order) const;
 };
 
 class Autotuner {

@@ -1,27 +1,36 @@
-"""The tf_mpi package loads its API lazily: same names as before, no TensorFlow for the launcher."""
+"""The tf_mpi package: its public API (``__all__``, docstrings), internals that stay importable,
+and the lazy loading that keeps TensorFlow out of the launcher."""
+import importlib
+import inspect
 import subprocess
 import sys
+import types
 
 import pytest
 
-# Every public name `import tf_mpi` bound when the package imported its submodules
-# eagerly (also what `from tf_mpi import *` exported then).
-PREVIOUS_NAMES = {
-    "Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min",
-    "PartialDistributedGradientTape", "Product", "Sum", "allgather", "allgather_object",
-    "allreduce", "alltoall", "barrier", "basics", "broadcast", "broadcast_", "broadcast_object",
-    "broadcast_object_fn", "broadcast_variables", "ccl_built", "compression", "cross_rank",
-    "cross_size", "cuda_built", "data", "ddl_built", "functions", "gloo_built", "gradient_tape",
-    "grouped_allgather", "grouped_allreduce", "grouped_broadcast", "grouped_reducescatter",
-    "grouping", "init", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
-    "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "ops",
-    "rank", "rank_op", "reducer", "reducescatter", "rocm_built", "shutdown", "size", "size_op",
-    "start_timeline", "stop_timeline",
+# The public API, as the tf_mpi package docstring lists it: what horovod.tensorflow offers
+# and tf_mpi implements (docs/horovod_compatibility.md), then tf_mpi's additions.
+HOROVOD_NAMES = {
+    "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_built", "nccl_built",
+    "ccl_built", "ddl_built", "rocm_built", "cuda_built", "start_timeline", "stop_timeline", "join",
+    "Compression",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "grouped_broadcast",
+    "alltoall", "reducescatter", "grouped_reducescatter", "rank_op", "size_op", "local_rank_op",
+    "local_size_op",
+    "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn", "allgather_object",
+    "barrier", "broadcast_global_variables",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+    "SyncBatchNormalization", "elastic",
 }
-# Added since: for Horovod compatibility (issue 17; horovod.tensorflow has them too),
-# and the GPU build queries.
-ADDED_NAMES = {"broadcast_global_variables", "DistributedOptimizer", "SyncBatchNormalization", "elastic",
-               "mpi_built_with_cuda_support", "gpu_transport"}
+TF_MPI_ADDITIONS = {"mpi_built_with_cuda_support", "gpu_transport", "data", "grouping"}
+PUBLIC_API = HOROVOD_NAMES | TF_MPI_ADDITIONS
+# Implementation modules: importable, reachable as attributes, never exported.
+INTERNALS = {"basics", "compression", "functions", "gradient_tape", "ops", "reducer", "_core"}
+# Modules of the public API whose public functions and classes are documented with an example too.
+API_MODULES = ["tf_mpi.data", "tf_mpi.grouping", "tf_mpi.elastic", "tf_mpi.keras.callbacks",
+               "tf_mpi.keras.elastic", "tf_mpi.keras.schedules"]
 
 
 def _fresh(code):
@@ -29,29 +38,81 @@ def _fresh(code):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def _has_example(obj):
+    doc = inspect.getdoc(obj) or ""
+    return "Example" in doc
+
+
 def test_launcher_does_not_import_tensorflow():
     _fresh("import sys, tf_mpi.run\n"
            "assert 'tensorflow' not in sys.modules, 'tf_mpi.run imported tensorflow'")
 
 
-def test_previous_names_still_importable():
+def test_all_is_exactly_the_documented_public_api():
     import tf_mpi
-    assert PREVIOUS_NAMES <= set(dir(tf_mpi))
-    for name in sorted(PREVIOUS_NAMES):
-        assert getattr(tf_mpi, name) is not None, name
+    assert len(tf_mpi.__all__) == len(set(tf_mpi.__all__)) == len(PUBLIC_API)
+    assert set(tf_mpi.__all__) == PUBLIC_API
+    assert not INTERNALS & set(tf_mpi.__all__)
+    # The package docstring lists every name of the API.
+    listed = {name for name in PUBLIC_API if f"``{name}``" in tf_mpi.__doc__}
+    assert listed == PUBLIC_API, sorted(PUBLIC_API - listed)
+    star = {}
+    exec("from tf_mpi import *", star)
+    assert set(star) - {"__builtins__"} == PUBLIC_API
+
+
+def test_every_public_name_has_a_docstring_with_an_example():
+    import tf_mpi
+    missing = [name for name in tf_mpi.__all__ if not _has_example(getattr(tf_mpi, name))]
+    assert not missing, missing
+    for module_name in API_MODULES:
+        module = importlib.import_module(module_name)
+        names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+        for name in names:
+            obj = getattr(module, name)
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module_name:
+                assert _has_example(obj), f"{module_name}.{name}"
+
+
+def test_reduce_ops_are_documented_ints():
+    import tf_mpi
+    from tf_mpi.basics import ReduceOp
+    for name in ("Average", "Sum", "Min", "Max", "Product", "Adasum"):
+        op = getattr(tf_mpi, name)
+        assert isinstance(op, int) and op is ReduceOp[name] and inspect.getdoc(op) == inspect.getdoc(ReduceOp)
+    assert (tf_mpi.Average, tf_mpi.Sum) == (0, 1)
+
+
+def test_built_queries_answer_for_this_build():
+    import tf_mpi
+    assert tf_mpi.mpi_built() is True and tf_mpi.mpi_enabled() is True
+    for query in ("gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built"):
+        assert getattr(tf_mpi, query)() is False, query
+    assert isinstance(tf_mpi.cuda_built(), bool)
+
+
+def test_internals_stay_importable():
+    import tf_mpi
+    for name in INTERNALS:
+        assert isinstance(getattr(tf_mpi, name), types.ModuleType), name
+        assert name in dir(tf_mpi)
     assert tf_mpi.__version__ == "0.1.0"
     assert tf_mpi.allreduce is tf_mpi.ops.allreduce and tf_mpi.Sum == tf_mpi.basics.Sum
     assert tf_mpi.basics._core is tf_mpi._core
-    star = {}
-    exec("from tf_mpi import *", star)
-    assert set(star) - {"__builtins__"} == PREVIOUS_NAMES | ADDED_NAMES
+    assert tf_mpi.reducer.GradientReducer is importlib.import_module("tf_mpi.reducer").GradientReducer
     assert tf_mpi.SyncBatchNormalization is tf_mpi.keras.SyncBatchNormalization
     with pytest.raises(AttributeError):
         tf_mpi.no_such_name
 
 
-def test_keras_package_reexports_everything():
+def test_keras_package_exports_the_api_and_its_keras_names():
+    import tf_mpi
     import tf_mpi.keras as hvd
-    missing = PREVIOUS_NAMES - set(dir(hvd))
-    assert not missing
-    assert hvd.allreduce is hvd.ops.allreduce and callable(hvd.DistributedOptimizer)
+    assert set(hvd.__all__) == PUBLIC_API | {"callbacks", "load_model"}
+    star = {}
+    exec("from tf_mpi.keras import *", star)
+    assert set(star) - {"__builtins__"} == set(hvd.__all__)
+    assert hvd.allreduce is tf_mpi.allreduce and callable(hvd.DistributedOptimizer)
+    assert hvd.elastic is importlib.import_module("tf_mpi.keras.elastic")  # not tf_mpi.elastic
+    assert hvd.grouping is tf_mpi.grouping and hvd.data is tf_mpi.data
+    assert _has_example(hvd) and _has_example(hvd.callbacks) and _has_example(hvd.load_model)

@@ -10,7 +10,32 @@ Example (run with ``mpirun -np 2 python train.py``)::
     hvd.init()
     total = hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)
 
-The names below are loaded on first use (PEP 562), so that tools that do not
+The public API (``__all__``, what ``from tf_mpi import *`` binds):
+
+- Horovod's names, as in ``horovod.tensorflow``: the reduce ops ``Average``,
+  ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum``; ``init``, ``shutdown``,
+  ``is_initialized``, ``rank``, ``size``, ``local_rank``, ``local_size``,
+  ``cross_rank``, ``cross_size``, ``mpi_threads_supported``, ``mpi_enabled``,
+  ``mpi_built``, ``gloo_built``, ``nccl_built``, ``ccl_built``, ``ddl_built``,
+  ``rocm_built``, ``cuda_built``, ``start_timeline``, ``stop_timeline``,
+  ``join``; ``Compression``; the collectives ``allreduce``,
+  ``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``,
+  ``grouped_broadcast``, ``alltoall``, ``reducescatter``,
+  ``grouped_reducescatter``, ``rank_op``, ``size_op``, ``local_rank_op``,
+  ``local_size_op``; ``broadcast_variables``, ``broadcast_``,
+  ``broadcast_object``, ``broadcast_object_fn``, ``allgather_object``,
+  ``barrier``, ``broadcast_global_variables``; ``DistributedGradientTape``,
+  ``PartialDistributedGradientTape``, ``DistributedOptimizer``,
+  ``SyncBatchNormalization``; and the module ``elastic``.
+- tf_mpi's additions: ``mpi_built_with_cuda_support``, ``gpu_transport``,
+  and the modules ``data`` (sharding input by rank) and ``grouping`` (which
+  gradients are reduced together).
+
+The implementation modules (``basics``, ``ops``, ``functions``,
+``compression``, ``gradient_tape``, ``reducer``, ``_core``) stay importable
+(``import tf_mpi.ops``, ``tf_mpi.ops``) but are not part of ``__all__``.
+
+The names are loaded on first use (PEP 562), so that tools that do not
 need TensorFlow (``python -m tf_mpi.run``, the timeline tools) start without
 importing it.
 """
@@ -45,15 +70,13 @@ _API = {
 }
 _ORIGIN = {name: module for module, names in _API.items() for name in names}
 
-# Submodules reachable as attributes (``hvd.data``, ``hvd.basics._core``). data,
-# grouping and elastic are API; the others used to be bound as a side effect of the eager imports,
-# and code relies on that.
-_SUBMODULES = ("data", "grouping", "elastic", "basics", "compression", "functions", "gradient_tape",
-               "ops", "reducer", "_core")
+# Modules of the public API (Horovod has ``hvd.elastic``; ``data`` and ``grouping`` are tf_mpi's).
+_API_MODULES = ("data", "grouping", "elastic")
+# Implementation modules: reachable as attributes (``tf_mpi.ops``, ``tf_mpi.basics._core``), as they
+# were when the package imported everything eagerly, but not exported.
+_SUBMODULES = (*_API_MODULES, "basics", "compression", "functions", "gradient_tape", "ops", "reducer", "_core")
 
-# ``from tf_mpi import *`` (tf_mpi.keras does it) exports what it exported before,
-# when everything was imported eagerly: all public names, submodules included.
-__all__ = [*_ORIGIN, *(m for m in _SUBMODULES if not m.startswith("_"))]
+__all__ = [*_ORIGIN, *_API_MODULES]
 
 
 def __getattr__(name):

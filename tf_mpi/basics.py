@@ -3,9 +3,12 @@
 This module does not import TensorFlow; it talks to the engine through the
 pybind11 binding ``tf_mpi._core``.
 """
+import enum
 import os
 import sys
 import traceback
+
+from tf_mpi._compat import warn_unused_argument
 
 try:
     from tf_mpi import _core
@@ -16,15 +19,32 @@ except ImportError as e:  # pragma: no cover - only hit on a broken install
         "source tree, build in place with `python setup.py build_ext --inplace`, or install with "
         "`pip install --no-build-isolation .` and run from another directory.") from e
 
-# Reduce ops; the values are the engine's (cpp/core/types.h ReduceOp).
-Average = 0
-Sum = 1
-Min = 2
-Max = 3
-Product = 4
-Adasum = 5
 
-_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product", Adasum: "Adasum"}
+class ReduceOp(enum.IntEnum):
+    """How ``allreduce`` and its relatives combine the ranks' values: ``hvd.Average``
+    (the default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max``, ``hvd.Product``; ``hvd.Adasum``
+    is accepted as a name and raises ``NotImplementedError`` when used.
+
+    The members are ints (the engine's values, cpp/core/types.h ReduceOp), so
+    code that passes or compares them as Horovod's integer constants keeps
+    working; the numbers differ from Horovod's: use the names.
+
+    Example::
+
+        hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)   # 2 ranks: [2.0, 4.0]
+        hvd.allreduce(loss)                                  # op=hvd.Average
+    """
+    Average = 0
+    Sum = 1
+    Min = 2
+    Max = 3
+    Product = 4
+    Adasum = 5
+
+
+Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
+                                           ReduceOp.Product, ReduceOp.Adasum)
+
 _previous_excepthook = None
 
 
@@ -87,17 +107,33 @@ def start_timeline(file_path, mark_cycles=False):
     summary with ``python -m tf_mpi.timeline_plot trace.json out.png``. Setting
     ``TF_MPI_TIMELINE=path`` before ``init()`` records the whole run.
 
+    ``mark_cycles`` is Horovod's flag for markers at each background-loop
+    cycle; tf_mpi's engine has no fixed cycle (it wakes when a collective is
+    submitted), so there is nothing to mark: ``mark_cycles=True`` warns once
+    and the timeline shows each collective's negotiation and MPI phases as usual.
+
     Example::
 
         hvd.start_timeline("/tmp/trace.json")
         model.fit(x, y, epochs=1)
         hvd.stop_timeline()
     """
+    if mark_cycles:
+        warn_unused_argument("start_timeline", "mark_cycles",
+                             "tf_mpi's engine has no fixed cycle to mark; the timeline shows each collective's "
+                             "negotiation and MPI phases")
     _core.start_timeline(str(file_path))
 
 
 def stop_timeline():
-    """Stops the timeline and completes its JSON file."""
+    """Stops the timeline and completes its JSON file.
+
+    Example::
+
+        hvd.start_timeline("/tmp/trace.json")
+        train_one_epoch()
+        hvd.stop_timeline()   # /tmp/trace.json is complete now
+    """
     _core.stop_timeline()
 
 
@@ -120,12 +156,27 @@ def join():
 
 
 def shutdown():
-    """Stops the engine. Pending and later collectives fail with an error; ``init()`` may be called again."""
+    """Stops the engine. Pending and later collectives fail with an error; ``init()`` may be called again.
+
+    Calling it is optional: the engine also shuts down at exit.
+
+    Example::
+
+        hvd.init()
+        train()
+        hvd.shutdown()
+    """
     _core.shutdown()
 
 
 def is_initialized():
-    """True between ``init()`` and ``shutdown()``."""
+    """True between ``init()`` and ``shutdown()``.
+
+    Example::
+
+        if not hvd.is_initialized():
+            hvd.init()
+    """
     return _core.is_initialized()
 
 
@@ -138,67 +189,110 @@ def rank():
 
 
 def size():
-    """Number of ranks taking part."""
+    """Number of ranks taking part.
+
+    Example: ``opt = keras.optimizers.SGD(0.01 * hvd.size())`` (scale the rate with the global batch)
+    """
     return _core.size()
 
 
 def local_rank():
-    """Rank among the processes on this node (use it to pick a GPU)."""
+    """Rank among the processes on this node (use it to pick a GPU).
+
+    Example::
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    """
     return _core.local_rank()
 
 
 def local_size():
-    """Number of ranks on this node."""
+    """Number of ranks on this node.
+
+    Example: ``threads = max(1, os.cpu_count() // hvd.local_size())``
+    """
     return _core.local_size()
 
 
 def cross_rank():
-    """Index of this node among nodes (rank among processes with the same local_rank)."""
+    """Index of this node among nodes (rank among processes with the same local_rank).
+
+    Example: ``if hvd.local_rank() == 0: print("node", hvd.cross_rank(), "of", hvd.cross_size())``
+    """
     return _core.cross_rank()
 
 
 def cross_size():
-    """Number of nodes (processes with the same local_rank)."""
+    """Number of nodes (processes with the same local_rank).
+
+    Example: ``if hvd.cross_size() > 1: print("training across nodes")``
+    """
     return _core.cross_size()
 
 
 def mpi_threads_supported():
-    """True if MPI runs with MPI_THREAD_MULTIPLE."""
+    """True if MPI runs with MPI_THREAD_MULTIPLE (tf_mpi asks for it in ``init()``).
+
+    Example: ``assert hvd.mpi_threads_supported()`` (before calling mpi4py from other threads)
+    """
     return _core.mpi_threads_supported()
 
 
 def mpi_enabled():
-    """tf_mpi always runs over MPI."""
+    """True: tf_mpi always runs over MPI (Horovod's answer when it runs over MPI rather than Gloo).
+
+    Example: ``hvd.mpi_enabled()  # True``
+    """
     return True
 
 
 def mpi_built():
-    """tf_mpi is always built with MPI."""
+    """True: tf_mpi is always built with MPI.
+
+    Example: ``hvd.mpi_built()  # True``
+    """
     return True
 
 
 def gloo_built():
-    """Gloo is not part of tf_mpi."""
+    """False: Gloo is not part of tf_mpi (MPI is its only controller and transport).
+
+    Example: ``hvd.gloo_built()  # False``
+    """
     return False
 
 
 def nccl_built():
-    """NCCL is not part of tf_mpi (GPU tensors go through MPI)."""
+    """False: NCCL is not part of tf_mpi (GPU tensors go through MPI, see ``gpu_transport()``).
+
+    Example: ``hvd.nccl_built()  # False``
+    """
     return False
 
 
 def ccl_built():
-    """oneCCL is not part of tf_mpi."""
+    """False: oneCCL is not part of tf_mpi.
+
+    Example: ``hvd.ccl_built()  # False``
+    """
     return False
 
 
 def ddl_built():
-    """DDL is not part of tf_mpi."""
+    """False: IBM DDL is not part of tf_mpi.
+
+    Example: ``hvd.ddl_built()  # False``
+    """
     return False
 
 
 def rocm_built():
-    """ROCm is not supported."""
+    """False: tf_mpi has no ROCm (AMD GPU) part.
+
+    Example: ``hvd.rocm_built()  # False``
+    """
     return False
 
 

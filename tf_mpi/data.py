@@ -16,13 +16,23 @@ from tf_mpi import basics
 
 
 def shard(dataset, num_shards=None, index=None):
-    """``dataset.shard(size(), rank())``: every rank keeps every size()-th element, starting at its rank."""
+    """``dataset.shard(size(), rank())``: every rank keeps every size()-th element, starting at its rank.
+
+    Example::
+
+        ds = tf_mpi.data.shard(tf.data.TFRecordDataset(files)).shuffle(10_000).batch(64)
+    """
     return dataset.shard(num_shards if num_shards is not None else basics.size(),
                          index if index is not None else basics.rank())
 
 
 def rank_seed(seed):
-    """A per-rank seed derived from a common one (seed * 1000003 + rank)."""
+    """A per-rank seed derived from a common one (seed * 1000003 + rank).
+
+    Example::
+
+        ds = ds.shuffle(10_000, seed=tf_mpi.data.rank_seed(42))
+    """
     return seed * 1000003 + basics.rank()
 
 

@@ -35,6 +35,7 @@ Example::
 import tensorflow as tf
 
 from tf_mpi import basics
+from tf_mpi._compat import warn_unused_argument
 from tf_mpi.functions import broadcast_object, broadcast_variables
 
 
@@ -161,7 +162,23 @@ def _optimizer_variables(optimizer):
     return list(variables() if callable(variables) else variables)
 
 
-class TensorFlowKerasState(ObjectState):
+class _VariablesState(ObjectState):
+    """An ObjectState that also keeps variables in host memory: subclasses define
+    ``_save_model`` (copy them out) and ``_load_model`` (assign the copies back).
+
+    Example: ``class MyState(_VariablesState): ...`` with both methods defined
+    """
+
+    def save(self):
+        self._save_model()
+        super().save()
+
+    def restore(self):
+        self._load_model()
+        super().restore()
+
+
+class TensorFlowKerasState(_VariablesState):
     """Elastic state of a Keras model, its optimizer and extra attributes.
 
     ``sync()`` broadcasts the model's and the optimizer's variables and the
@@ -172,7 +189,8 @@ class TensorFlowKerasState(ObjectState):
     Args:
       model: a built Keras model.
       optimizer: its optimizer (default: ``model.optimizer``).
-      backend: accepted for Horovod compatibility (TF1 Keras sessions are not used).
+      backend: Horovod's Keras backend module (for TF1 sessions); accepted and,
+        when given, warns once: tf_mpi reads and assigns the variables directly.
       kwargs: attributes to keep and sync (e.g. ``epoch=0, batch=0``).
 
     Example::
@@ -186,20 +204,16 @@ class TensorFlowKerasState(ObjectState):
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if backend is not None:
+            warn_unused_argument("TensorFlowKerasState", "backend",
+                                 "tf_mpi reads and assigns the model's and optimizer's variables directly, "
+                                 "without a Keras backend session")
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=basics.rank, **kwargs)
 
     def _variables(self):
         return list(self.model.variables) + _optimizer_variables(self.optimizer)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        self._load_model()
-        super().restore()
 
     def sync(self):
         broadcast_variables(self._variables(), root_rank=0, name="tfmpi.elastic.keras_state")
@@ -214,7 +228,7 @@ class TensorFlowKerasState(ObjectState):
             v.assign(value)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_VariablesState):
     """Elastic state of a list of TensorFlow variables and extra attributes.
 
     Eagerly, or in a TF1 graph with ``session`` (default: the default session).
@@ -243,14 +257,6 @@ class TensorFlowState(ObjectState):
             self._load_op = tf.group(*[v.assign(p) for v, p in zip(self.variables, self._value_ph)])
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=basics.rank, **kwargs)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        self._load_model()
-        super().restore()
 
     def sync(self):
         if self.session is not None:

@@ -151,5 +151,12 @@ def allgather_object(obj, name=None):
 
 
 def barrier(name="tfmpi.barrier"):
-    """Returns once every rank has called barrier()."""
+    """Returns once every rank has called barrier().
+
+    Example::
+
+        if hvd.rank() == 0:
+            prepare_shared_files()
+        hvd.barrier()   # the others wait until rank 0 is done
+    """
     basics._core.allreduce(np.zeros(1, np.int32), basics.Sum, name)

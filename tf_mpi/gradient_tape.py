@@ -17,7 +17,9 @@ class DistributedGradientTape(tf.GradientTape):
 
     Sources registered with ``register_local_source`` (model parallelism, as
     in Horovod) keep their local gradient, divided by size() unless
-    ``scale_local_gradients=False``.
+    ``scale_local_gradients=False``. ``device_dense`` / ``device_sparse``
+    place the collectives of dense / IndexedSlices gradients, as in Horovod
+    (``tf.device``; '' leaves them where TensorFlow puts them).
 
     Example::
 
@@ -37,7 +39,8 @@ class DistributedGradientTape(tf.GradientTape):
         self._reducer = GradientReducer(name, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                                         gradient_predivide_factor=gradient_predivide_factor,
                                         num_groups=num_groups, groups=groups, order_backprop=order_backprop,
-                                        scale_local_gradients=scale_local_gradients)
+                                        scale_local_gradients=scale_local_gradients, device_dense=device_dense,
+                                        device_sparse=device_sparse)
         for v in local_variables or []:
             self._reducer.register_local(v)
 
@@ -60,6 +63,13 @@ class DistributedGradientTape(tf.GradientTape):
         self._reducer.register_local(source)
 
     def gradient(self, target, sources, output_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """``tf.GradientTape.gradient``, then every gradient reduced across ranks (averaged by default).
+
+        Gradients of sources registered as local are not reduced (see
+        ``register_local_source``); None gradients stay None.
+
+        Example: ``grads = tape.gradient(loss, model.trainable_variables)`` (the same on every rank)
+        """
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)

@@ -315,22 +315,34 @@ def grouped_allgather(tensors, name=None):
 
 
 def rank_op(name=None):
-    """This rank as an int32 scalar op (for graphs)."""
+    """This rank as an int32 scalar op (for graphs).
+
+    Example: ``is_root = tf.equal(hvd.rank_op(), 0)`` (inside a TF1 graph or ``tf.function``)
+    """
     return _lib.tf_mpi_rank(name=name)
 
 
 def size_op(name=None):
-    """Number of ranks as an int32 scalar op."""
+    """Number of ranks as an int32 scalar op.
+
+    Example: ``mean = hvd.allreduce(x, op=hvd.Sum) / tf.cast(hvd.size_op(), x.dtype)``
+    """
     return _lib.tf_mpi_size(name=name)
 
 
 def local_rank_op(name=None):
-    """Local rank as an int32 scalar op."""
+    """Local rank (rank among this node's processes) as an int32 scalar op.
+
+    Example: ``first_on_node = tf.equal(hvd.local_rank_op(), 0)``
+    """
     return _lib.tf_mpi_local_rank(name=name)
 
 
 def local_size_op(name=None):
-    """Local size as an int32 scalar op."""
+    """Local size (processes on this node) as an int32 scalar op.
+
+    Example: ``per_node = tf.cast(hvd.local_size_op(), tf.float32)``
+    """
     return _lib.tf_mpi_local_size(name=name)
 
 

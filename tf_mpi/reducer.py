@@ -36,6 +36,9 @@ class GradientReducer:
       scale_local_gradients: gradients of variables registered with
         ``register_local`` are never reduced; if True (Horovod's default) they
         are divided by size(), like the averaged ones.
+      device_dense / device_sparse: Horovod's placement of the collectives of
+        dense / IndexedSlices gradients (``tf.device``; '' leaves them where
+        TensorFlow puts them), passed to ``tf_mpi.allreduce``.
 
     Example::
 
@@ -45,7 +48,7 @@ class GradientReducer:
 
     def __init__(self, name, op=Average, compression=Compression.none, sparse_as_dense=False,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
-                 order_backprop=None, scale_local_gradients=True):
+                 order_backprop=None, scale_local_gradients=True, device_dense="", device_sparse=""):
         if op not in (Average, Sum):
             raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -60,6 +63,7 @@ class GradientReducer:
         self.plan = None
         self._verified = set()
         self.scale_local_gradients = scale_local_gradients
+        self.device_dense, self.device_sparse = device_dense, device_sparse
         self._local = set()  # variable_key of worker-local variables
 
     def register_local(self, variable):
@@ -114,7 +118,7 @@ class GradientReducer:
                     out[i] = g = tf.convert_to_tensor(g)
                 else:
                     out[i] = ops.allreduce(g, op=self.op, name=f"{self.name}.sparse.{i}",
-                                           compression=self.compression)
+                                           compression=self.compression, device_sparse=self.device_sparse)
                     continue
             dense.append(i)
         if not dense:
@@ -133,7 +137,7 @@ class GradientReducer:
             members = [dense[j] for j in group.indices]
             reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=plan.collective_name(k),
                                             prescale_factor=prescale, postscale_factor=postscale,
-                                            compression=self.compression)
+                                            compression=self.compression, device_dense=self.device_dense)
             for i, r in zip(members, reduced):
                 out[i] = r
         return out

@@ -341,6 +341,37 @@ def check_tape_with_unknown_gradient_shapes_in_tf_function():
     assert np.allclose(g[0].numpy(), 5 * mean_batch) and np.allclose(g[1].numpy(), 5 * mean_batch), g
 
 
+def check_device_arguments_place_the_gradient_collectives():
+    # Horovod's device_dense / device_sparse: the collectives of dense gradients and of
+    # IndexedSlices (an Embedding's, allgathered) run under tf.device, as tf_mpi.allreduce's do.
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 2),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    xb = tf.constant((np.arange(3 * B).reshape(B, 3) + R) % 10, tf.int32)
+
+    def traced(name, **devices):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(xb))
+            tape = hvd.DistributedGradientTape(tape, name=name, num_groups=1, **devices)
+            return [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+        values = step()
+        graph = step.get_concrete_function().graph
+        placed = {t: {op.device for op in graph.get_operations() if op.type == t}
+                  for t in ("TfMpiGroupedAllreduce", "TfMpiAllgather")}
+        return values, placed
+
+    plain, unplaced = traced("devices.default")
+    placed_values, placed = traced("devices.cpu", device_dense="/cpu:0", device_sparse="/cpu:0")
+    assert unplaced == {"TfMpiGroupedAllreduce": {""}, "TfMpiAllgather": {""}}, unplaced
+    assert placed == {"TfMpiGroupedAllreduce": {"/device:CPU:0"}, "TfMpiAllgather": {"/device:CPU:0"}}, placed
+    for a, b in zip(plain, placed_values):
+        assert np.array_equal(a.numpy(), b.numpy())
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), device_dense="/cpu:0", device_sparse="/cpu:1")
+    assert (opt._tfmpi_reducer.device_dense, opt._tfmpi_reducer.device_sparse) == ("/cpu:0", "/cpu:1")
+
+
 def check_frozen_layers_and_missing_gradients():
     model, ref = fit_pair(lambda: keras.optimizers.SGD(0.1), model_fn=lambda s: make_model(s, frozen="d0"))
     weights_close(model, ref, "frozen d0")

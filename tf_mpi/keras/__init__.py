@@ -1,5 +1,10 @@
 """Keras 3 integration: ``import tf_mpi.keras as hvd`` is all a training script needs.
 
+It offers everything ``tf_mpi`` exports (``init``, ``rank``, ``allreduce``, ...)
+plus Horovod's Keras names: ``DistributedOptimizer``, ``load_model``,
+``SyncBatchNormalization``, ``callbacks`` and ``elastic`` (the Keras elastic
+state and callbacks).
+
 Example (``mpirun -np 2 python train.py``)::
 
     import keras
@@ -13,12 +18,14 @@ Example (``mpirun -np 2 python train.py``)::
                                hvd.callbacks.MetricAverageCallback()],
               verbose=1 if hvd.rank() == 0 else 0)
 """
-import importlib
+import importlib as _importlib
 
+import tf_mpi as _tf_mpi
 from tf_mpi import *  # noqa: F401,F403  (init, rank, size, allreduce, ... as in tf_mpi)
-from tf_mpi import DistributedGradientTape, PartialDistributedGradientTape, broadcast_variables  # noqa: F401
 from tf_mpi.keras import callbacks  # noqa: F401
 # The Keras elastic module (KerasState and callbacks), not tf_mpi.elastic that the * import bound.
-elastic = importlib.import_module("tf_mpi.keras.elastic")
-from tf_mpi.keras.optimizer import DistributedOptimizer, load_model  # noqa: F401
-from tf_mpi.keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+elastic = _importlib.import_module("tf_mpi.keras.elastic")
+from tf_mpi.keras.optimizer import DistributedOptimizer, load_model  # noqa: F401,E402
+from tf_mpi.keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401,E402
+
+__all__ = [*_tf_mpi.__all__, "callbacks", "load_model"]

@@ -1,9 +1,26 @@
-"""Keras callbacks for data-parallel training (Horovod's ``hvd.callbacks``)."""
+"""Keras callbacks for data-parallel training (Horovod's ``hvd.callbacks``).
+
+Example::
+
+    import tf_mpi.keras as hvd
+
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hvd.callbacks.MetricAverageCallback(),
+                               hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.01 * hvd.size(),
+                                                                        warmup_epochs=3, steps_per_epoch=100)])
+"""
 import keras
 import numpy as np
 
 from tf_mpi import basics
+from tf_mpi._compat import warn_unused_argument
 from tf_mpi.functions import broadcast_variables
+
+# What tf_mpi does instead of Horovod's momentum correction (Goyal et al.: scale the momentum by
+# new_lr / old_lr for the batch after a rate change).
+_NO_MOMENTUM_CORRECTION = ("the momentum is not rescaled when the rate changes (a Keras 3 optimizer's "
+                           "momentum is a constant of its compiled update step); keep rate changes small or "
+                           "per batch (steps_per_epoch, staircase=False) where that matters")
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -12,6 +29,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Runs at the start of training, before the first update is applied. If the
     optimizer has not created its slots yet, it is built first, so that its
     state (e.g. restored from a checkpoint on the root only) is broadcast too.
+    ``device`` (Horovod's device for the broadcast) is accepted and warns once:
+    the variables are broadcast from where they live.
 
     Example::
 
@@ -20,6 +39,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank=0, device=""):
         super().__init__()
+        if device:
+            warn_unused_argument("BroadcastGlobalVariablesCallback", "device",
+                                 "the variables are broadcast from the device they live on")
         self.root_rank = root_rank
         self.broadcast_done = False
 
@@ -45,7 +67,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     Put it before callbacks that read metrics (checkpointing, early stopping,
     learning-rate schedules on plateau). Every rank must log the same metric
-    names (a mismatch is reported as an error by the engine).
+    names (a mismatch is reported as an error by the engine). ``device``
+    (Horovod's device for the allreduce) is accepted and warns once: the
+    metrics are Python floats, averaged in host memory.
 
     Example::
 
@@ -55,6 +79,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     def __init__(self, device=""):
         super().__init__()
+        if device:
+            warn_unused_argument("MetricAverageCallback", "device",
+                                 "the metrics are Python floats, averaged in host memory")
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs or basics.size() == 1:
@@ -75,8 +102,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     ``multiplier`` is a number or a function of the (fractional, when not
     ``staircase``) epoch. With ``steps_per_epoch`` the rate is updated every
-    batch. ``momentum_correction`` is accepted for Horovod compatibility and
-    ignored (Keras 3 optimizers apply the current rate to their momentum).
+    batch. Horovod's ``momentum_correction`` (on by default there) is not
+    done: the momentum is not rescaled when the rate changes, because a Keras 3
+    optimizer's momentum is a constant of its compiled step.
+    ``momentum_correction=True`` warns once; False or leaving it out does not.
 
     Example::
 
@@ -85,8 +114,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
-                 momentum_correction=True, steps_per_epoch=None, verbose=0):
+                 momentum_correction=None, steps_per_epoch=None, verbose=0):
         super().__init__()
+        if momentum_correction:
+            warn_unused_argument("LearningRateScheduleCallback", "momentum_correction", _NO_MOMENTUM_CORRECTION)
         self.initial_lr = initial_lr
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
@@ -123,23 +154,25 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     Per batch: lr = initial_lr / size * (e * (size - 1) / warmup_epochs + 1),
     with e the fractional epoch (batch + 1) / steps_per_epoch + epoch, so the
-    last warm-up batch runs at initial_lr. ``momentum_correction`` is accepted
-    for Horovod compatibility and ignored.
+    last warm-up batch runs at initial_lr. ``momentum_correction`` as in
+    ``LearningRateScheduleCallback`` (not done; True warns once).
 
     Example::
 
         LearningRateWarmupCallback(initial_lr=0.01 * hvd.size(), warmup_epochs=3, steps_per_epoch=100)
     """
 
-    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=None, steps_per_epoch=None, verbose=0):
         self.warmup_epochs = warmup_epochs
+        if momentum_correction:
+            warn_unused_argument("LearningRateWarmupCallback", "momentum_correction", _NO_MOMENTUM_CORRECTION)
 
         def multiplier(epoch):
             size = basics.size()
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
-                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
+                         steps_per_epoch=steps_per_epoch,
                          verbose=verbose)
 
     def on_train_batch_begin(self, batch, logs=None):

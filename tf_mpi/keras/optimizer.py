@@ -148,6 +148,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Args:
       optimizer: any Keras 3 optimizer (SGD, Adam, AdamW, RMSprop, ...) or a LossScaleOptimizer.
       name: prefix of the collectives' names; default "Distributed<Class>".
+      device_dense / device_sparse: where the collectives of dense / IndexedSlices gradients run
+        (``tf.device``, as in Horovod, e.g. "/cpu:0"); '' leaves them where TensorFlow puts them.
       compression: Compression.none or Compression.fp16 (gradients on the wire).
       sparse_as_dense: densify IndexedSlices gradients (e.g. of Embedding) and allreduce them, instead
         of allgathering their rows. Worth it when the optimizer densifies the gradient anyway (Keras 3's
@@ -193,7 +195,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                               sparse_as_dense=sparse_as_dense,
                               gradient_predivide_factor=gradient_predivide_factor,
                               num_groups=num_groups, groups=groups, order_backprop=order_backprop,
-                              scale_local_gradients=scale_local_gradients)
+                              scale_local_gradients=scale_local_gradients, device_dense=device_dense,
+                              device_sparse=device_sparse)
     wrapped._tfmpi_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
 

@@ -1,4 +1,4 @@
-"""Models and synthetic data of benchmarks/training_bench.py.
+"""Models and synthetic data of benchmarks/training_bench/ (and of examples/benchmark_lstm.py).
 
 Each benchmark model is a ``ModelSpec`` in ``MODELS``: how to build it, its
 loss, how to draw a synthetic batch, and how many steps to time by default
@@ -10,12 +10,20 @@ The builders follow the global Keras dtype policy, so under
 ``mixed_float16`` the layers compute in float16; every model's last layer
 is kept float32 so that the loss is computed in float32.
 """
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+# The LSTM text classifier is the examples' (examples/example_utils.py), at benchmark size.
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if _EXAMPLES not in sys.path:
+    sys.path.append(_EXAMPLES)
+from example_utils import lstm_text_classifier  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -42,18 +50,14 @@ LSTM_VOCAB, LSTM_SEQ_LEN, LSTM_EMBEDDING, LSTM_UNITS = 20000, 100, 128, 128
 
 
 def build_lstm():
-    """Embedding(20000x128) -> LSTM(128) -> LSTM(128) -> Dense(1, sigmoid): the IMDB text classifier."""
-    inputs = keras.Input((LSTM_SEQ_LEN,), dtype="int32")
-    x = keras.layers.Embedding(LSTM_VOCAB, LSTM_EMBEDDING)(inputs)
-    x = keras.layers.LSTM(LSTM_UNITS, return_sequences=True)(x)
-    x = keras.layers.LSTM(LSTM_UNITS)(x)
-    outputs = keras.layers.Dense(1, activation="sigmoid", dtype="float32")(x)
-    return keras.Model(inputs, outputs, name="lstm")
+    """Embedding(20000x128) -> LSTM(128) -> LSTM(128) -> Dense(1, sigmoid): the IMDB text classifier
+    (examples/imdb_lstm.py's model, at benchmark size)."""
+    return lstm_text_classifier(LSTM_SEQ_LEN, LSTM_VOCAB, LSTM_EMBEDDING, LSTM_UNITS, name="lstm")
 
 
-def lstm_inputs(rng, n):
+def lstm_inputs(rng, n, vocab=LSTM_VOCAB, seq_len=LSTM_SEQ_LEN):
     """Random token ids (0 is left out, as padding would be) and binary labels."""
-    x = rng.integers(1, LSTM_VOCAB, (n, LSTM_SEQ_LEN), dtype=np.int32)
+    x = rng.integers(1, vocab, (n, seq_len), dtype=np.int32)
     y = rng.integers(0, 2, (n, 1)).astype(np.float32)
     return x, y
 

@@ -4,7 +4,9 @@ The model is the text classifier of examples/imdb_lstm.py at benchmark size:
 Embedding(20000 x 128) -> LSTM(128) -> LSTM(128) -> Dense(1, sigmoid),
 sequences of 100 tokens, 64 sequences per rank and step, Adam, trained with
 ``model.fit`` and tf_mpi.keras.DistributedOptimizer on random tokens (the
-numbers, not the accuracy, are the point). For each combination of
+numbers, not the accuracy, are the point). Model, data and step timing are
+those of the training benchmark (benchmarks/bench_models.py,
+benchmarks/training_bench/), which this script imports from the checkout. For each combination of
 --precision and --compression it runs --warmup steps (tracing, first
 broadcast; not timed), then --steps timed steps, and reports samples per
 second per rank and over all ranks.
@@ -38,6 +40,7 @@ START = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -53,7 +56,12 @@ import keras  # noqa: E402
 import tf_mpi.keras as hvd  # noqa: E402
 from tf_mpi.functions import allgather_object  # noqa: E402
 
-from example_utils import new_figure, rank_logger, save_figure  # noqa: E402
+from example_utils import lstm_text_classifier, new_figure, rank_logger, save_figure, write_json_atomic  # noqa: E402
+
+# The training benchmark's data and step clock (benchmarks/ of this checkout).
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_models import lstm_inputs  # noqa: E402
+from training_bench.worker import make_step_clock, window_seconds  # noqa: E402
 
 PRECISIONS = ["float32", "mixed_float16"]
 COMPRESSIONS = ["none", "fp16"]
@@ -96,39 +104,13 @@ def parse_args():
 # ----------------------------------------------------------------------------- model
 
 def build_model(args, compression, name):
-    inputs = keras.Input((args.seq_len,), dtype="int32")
-    x = keras.layers.Embedding(args.vocab, args.embedding_dim)(inputs)
-    x = keras.layers.LSTM(args.units, return_sequences=True)(x)
-    x = keras.layers.LSTM(args.units)(x)
-    # The output stays float32 under mixed_float16 for a numerically stable loss.
-    outputs = keras.layers.Dense(1, activation="sigmoid", dtype="float32")(x)
-    model = keras.Model(inputs, outputs, name="benchmark_lstm")
+    model = lstm_text_classifier(args.seq_len, args.vocab, args.embedding_dim, args.units, name="benchmark_lstm")
     # Under mixed_float16 this is a LossScaleOptimizer that reduces before its finiteness check.
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3), compression=compression,
                                    sparse_as_dense=args.sparse_as_dense, name=name)
     # jit_compile=False: tf_mpi's collectives cannot run inside XLA.
     model.compile(optimizer=opt, loss="binary_crossentropy", jit_compile=False)
     return model
-
-
-class StepTimer(keras.callbacks.Callback):
-    """Times the steps after the first `warmup` ones (from the end of step warmup-1 to the end of the last)."""
-
-    def __init__(self, warmup):
-        super().__init__()
-        self.warmup = warmup
-        self.start = self.end = None
-        self.batches = 0
-
-    def on_train_begin(self, logs=None):
-        if self.warmup == 0:
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches += 1
-        if self.batches == self.warmup:
-            self.start = time.perf_counter()
-        self.end = time.perf_counter()
 
 
 def run_combination(args, precision, compression):
@@ -141,13 +123,12 @@ def run_combination(args, precision, compression):
     model = build_model(args, comp, name=f"benchmark_lstm.{precision}.{compression}")
     total = args.warmup + args.steps
     rng = np.random.default_rng(args.seed * 1000003 + hvd.rank())
-    x = rng.integers(1, args.vocab, (total * args.batch_size, args.seq_len), dtype=np.int32)
-    y = rng.integers(0, 2, total * args.batch_size).astype(np.float32)
-    timer = StepTimer(args.warmup)
+    x, y = lstm_inputs(rng, total * args.batch_size, vocab=args.vocab, seq_len=args.seq_len)
+    clock = make_step_clock()
     model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
-    assert timer.batches == total, (timer.batches, total)
-    seconds = timer.end - timer.start
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), clock])
+    # From the end of the last warm-up step (or the start of training) to the end of the last step.
+    (seconds,) = window_seconds(clock.stamps, args.warmup, args.steps, repeats=1)
     keras.mixed_precision.set_global_policy("float32")
     return {"samples_per_sec": args.steps * args.batch_size / seconds, "step_ms": 1000 * seconds / args.steps,
             "seconds": time.time() - began}
@@ -258,9 +239,7 @@ def main():
             add_efficiency(report, baseline)
         print(format_table(report), flush=True)
         if args.json:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(report, f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
+            write_json_atomic(args.json, report, indent=1)
             log(f"wrote {args.json}")
         if args.plot:
             plot_scaling(([baseline] if baseline and baseline["ranks"] != size else []) + [report], args.plot)

@@ -74,7 +74,8 @@ import keras  # noqa: E402
 import tf_mpi as hvd  # noqa: E402
 from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr  # noqa: E402
 
-from example_utils import new_figure, rank_logger, save_figure, sha256_of  # noqa: E402
+from example_utils import (add_training_arguments, agreed_checkpoint_state, new_figure, rank_logger,  # noqa: E402
+                           read_checkpoint_state, replica_check, save_figure, write_json_atomic)
 
 # The diagnostics of the synthetic shots: (name, sampling period in steps).
 # Fast magnetics every step, slow equilibrium reconstruction every 10 steps.
@@ -118,19 +119,8 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=32, help="windows per batch, per rank")
     p.add_argument("--units", type=int, default=32, help="units of each LSTM layer")
     p.add_argument("--layers", type=int, default=2, help="number of stacked LSTM layers")
-    p.add_argument("--lr", type=float, default=3e-3, help="single-worker learning rate lr0 (Adam)")
-    p.add_argument("--max-lr", type=float, default=None, help="cap on the worker-scaled learning rate")
-    p.add_argument("--lr-decay", type=float, default=0.9, help="learning rate factor per epoch")
-    p.add_argument("--warmup-epochs", type=float, default=0.5, help="linear warm-up length in epochs")
-    p.add_argument("--precision", choices=["float32", "mixed_float16"], default="float32")
-    p.add_argument("--compression", choices=["none", "fp16"], default="none",
-                   help="gradient compression on the wire")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="rank 0 saves here after every epoch; a later run resumes from it "
-                        "(must be readable by every rank, e.g. a shared filesystem)")
-    p.add_argument("--plot", default=None, help="rank 0 writes a PNG of loss and AUC per epoch here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the shots and of the training")
-    p.add_argument("--verbose", action="store_true", help="every rank prints (default: rank 0 only)")
+    add_training_arguments(p, lr=3e-3, plot_help="rank 0 writes a PNG of loss and AUC per epoch here",
+                           seed_help="seed of the shots and of the training")
     args = p.parse_args()
     if not 0 < args.window <= args.min_length:
         p.error("--window must be between 1 and --min-length")
@@ -323,20 +313,6 @@ def current_lr(opt):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def read_checkpoint_state(directory):
-    path = os.path.join(directory, "state.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_json_atomic(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
 def save_checkpoint(directory, epoch, model, opt, history, args):
     """Rank 0: the model weights and optimizer variables (with its step count, hence the learning
     rate schedule's position, and the loss scale) in ckpt-epochNNN.npz, then state.json naming it,
@@ -448,11 +424,7 @@ def main():
     # rank 0's state is broadcast anyway (as after a fresh start).
     history, initial_epoch = [], 0
     if args.checkpoint_dir:
-        state = None
-        if rank == 0:
-            os.makedirs(args.checkpoint_dir, exist_ok=True)
-            state = read_checkpoint_state(args.checkpoint_dir)
-        state = hvd.broadcast_object(state, root_rank=0, name="disruption.checkpoint_state")
+        state = agreed_checkpoint_state(args.checkpoint_dir)
         if state:
             load_checkpoint(args.checkpoint_dir, state, model, opt)
             history, initial_epoch = state["history"], state["epoch"]
@@ -529,9 +501,7 @@ def main():
         final = {"loss": history[-1]["loss"] if history else None, "val_loss": val_loss, "auc": auc}
 
     # Data parallelism keeps the replicas identical: check it.
-    weights = sha256_of(model.get_weights())
-    opt_state = sha256_of(opt.variables)
-    digests = hvd.allgather_object((weights, opt_state), name="disruption.digests")
+    replicas = replica_check(model.get_weights(), opt.variables)
 
     if rank == 0:
         if args.plot and history:
@@ -546,9 +516,7 @@ def main():
             "learning_rate": current_lr(opt),
             "epochs": args.epochs, "initial_epoch": initial_epoch, "epochs_run": epochs_run,
             "seconds": round(time.time() - START, 1), "train_seconds": round(train_seconds, 1),
-            "weights_sha256": weights,
-            "weights_identical": all(d[0] == weights for d in digests),
-            "optimizer_state_identical": all(d[1] == opt_state for d in digests),
+            **replicas,
         }
         if args.precision == "mixed_float16":
             result["loss_scale"] = float(keras.ops.convert_to_numpy(opt.dynamic_scale))

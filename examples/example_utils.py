@@ -1,13 +1,16 @@
-"""Small helpers the example programs share: rank-aware logging, weight
-digests (to check that replicas are identical) and figure boilerplate.
+"""Small helpers the example programs share: rank-aware logging, the common command-line
+flags, checkpoint state files, the replica check (weight digests), the LSTM text classifier
+and figure boilerplate. The benchmarks (benchmarks/) use some of them too.
 
 The examples import it as a sibling module (``python examples/<name>.py``
-puts examples/ on sys.path); copy it along when you copy an example.
+puts examples/ on sys.path); copy it along when you copy an example. It
+imports Keras, matplotlib and tf_mpi only inside the helpers that need them,
+so a process that must stay without TensorFlow (the benchmark driver) can
+use the others.
 """
 import hashlib
-
-import keras
-import numpy as np
+import json
+import os
 
 
 def rank_logger(rank, verbose):
@@ -18,12 +21,85 @@ def rank_logger(rank, verbose):
     return log
 
 
+def add_training_arguments(parser, lr, plot_help, seed_help=None):
+    """The flags the training examples share, in this order: --lr (default `lr`), --max-lr,
+    --lr-decay, --warmup-epochs, --precision, --compression, --checkpoint-dir, --plot
+    (`plot_help`), --seed and --verbose."""
+    p = parser
+    p.add_argument("--lr", type=float, default=lr, help="single-worker learning rate lr0 (Adam)")
+    p.add_argument("--max-lr", type=float, default=None, help="cap on the worker-scaled learning rate")
+    p.add_argument("--lr-decay", type=float, default=0.9, help="learning rate factor per epoch")
+    p.add_argument("--warmup-epochs", type=float, default=0.5, help="linear warm-up length in epochs")
+    p.add_argument("--precision", choices=["float32", "mixed_float16"], default="float32")
+    p.add_argument("--compression", choices=["none", "fp16"], default="none",
+                   help="gradient compression on the wire")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="rank 0 saves here after every epoch; a later run resumes from it "
+                        "(must be readable by every rank, e.g. a shared filesystem)")
+    p.add_argument("--plot", default=None, help=plot_help)
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    p.add_argument("--verbose", action="store_true", help="every rank prints (default: rank 0 only)")
+
+
+def write_json_atomic(path, obj, indent=None):
+    """Writes `obj` as JSON to `path` through a temporary file: a reader never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=indent)
+    os.replace(path + ".tmp", path)
+
+
+def read_checkpoint_state(directory):
+    """The ``state.json`` of a checkpoint directory, or None if there is none."""
+    path = os.path.join(directory, "state.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def agreed_checkpoint_state(directory):
+    """Rank 0 creates `directory` if needed and reads its state.json; every rank gets rank 0's
+    answer (a collective), so all ranks resume from the same epoch, or all start afresh."""
+    import tf_mpi
+    state = None
+    if tf_mpi.rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        state = read_checkpoint_state(directory)
+    return tf_mpi.broadcast_object(state, root_rank=0, name="example.checkpoint_state")
+
+
 def sha256_of(arrays):
     """Hex digest of a list of arrays or variables (bit-exact replica check)."""
+    import keras
+    import numpy as np
     h = hashlib.sha256()
     for a in arrays:
         h.update(np.ascontiguousarray(keras.ops.convert_to_numpy(a)).tobytes())
     return h.hexdigest()
+
+
+def replica_check(weights, optimizer_variables):
+    """Whether every rank holds the same weights and optimizer state, bit for bit (a collective):
+    {"weights_sha256", "weights_identical", "optimizer_state_identical"} for the RESULT line."""
+    import tf_mpi
+    mine = (sha256_of(weights), sha256_of(optimizer_variables))
+    digests = tf_mpi.allgather_object(mine, name="example.digests")
+    return {"weights_sha256": mine[0],
+            "weights_identical": all(d[0] == mine[0] for d in digests),
+            "optimizer_state_identical": all(d[1] == mine[1] for d in digests)}
+
+
+def lstm_text_classifier(seq_len, vocab, embedding_dim, units, name):
+    """Embedding -> LSTM -> LSTM -> Dense(1, sigmoid), uncompiled: the text classifier of
+    imdb_lstm.py (and, at benchmark size, of benchmark_lstm.py and benchmarks/bench_models.py).
+    The output layer stays float32 under mixed_float16, for a numerically stable loss."""
+    import keras
+    inputs = keras.Input((seq_len,), dtype="int32")
+    x = keras.layers.Embedding(vocab, embedding_dim)(inputs)
+    x = keras.layers.LSTM(units, return_sequences=True)(x)
+    x = keras.layers.LSTM(units)(x)
+    outputs = keras.layers.Dense(1, activation="sigmoid", dtype="float32")(x)
+    return keras.Model(inputs, outputs, name=name)
 
 
 def new_figure(ncols, figsize):

@@ -58,9 +58,11 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import tf_mpi.keras as hvd  # noqa: E402
-from tf_mpi.functions import allgather_object, broadcast_object  # noqa: E402
+from tf_mpi.functions import allgather_object  # noqa: E402
 
-from example_utils import new_figure, rank_logger, save_figure, sha256_of  # noqa: E402
+from example_utils import (add_training_arguments, agreed_checkpoint_state, lstm_text_classifier,  # noqa: E402
+                           new_figure, rank_logger, read_checkpoint_state, replica_check, save_figure,
+                           write_json_atomic)
 from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr  # noqa: E402
 
 IMDB_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/imdb.npz"
@@ -85,19 +87,7 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=10000, help="vocabulary size (rarer words become OOV)")
     p.add_argument("--embedding-dim", type=int, default=64)
     p.add_argument("--units", type=int, default=32, help="units of each of the two LSTM layers")
-    p.add_argument("--lr", type=float, default=2e-3, help="single-worker learning rate lr0 (Adam)")
-    p.add_argument("--max-lr", type=float, default=None, help="cap on the worker-scaled learning rate")
-    p.add_argument("--lr-decay", type=float, default=0.9, help="learning rate factor per epoch")
-    p.add_argument("--warmup-epochs", type=float, default=0.5, help="linear warm-up length in epochs")
-    p.add_argument("--precision", choices=["float32", "mixed_float16"], default="float32")
-    p.add_argument("--compression", choices=["none", "fp16"], default="none",
-                   help="gradient compression on the wire")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="rank 0 saves here after every epoch; a later run resumes from it "
-                        "(must be readable by every rank, e.g. a shared filesystem)")
-    p.add_argument("--plot", default=None, help="rank 0 writes a PNG of loss and accuracy per epoch here")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="every rank prints (default: rank 0 only)")
+    add_training_arguments(p, lr=2e-3, plot_help="rank 0 writes a PNG of loss and accuracy per epoch here")
     return p.parse_args()
 
 
@@ -176,13 +166,7 @@ def shard(x, y, limit, rank, size, seed):
 
 def build_model(args, steps_per_epoch, compression):
     """Embedding -> LSTM -> LSTM -> Dense(1, sigmoid), compiled with a DistributedOptimizer."""
-    inputs = keras.Input((args.maxlen,), dtype="int32")
-    x = keras.layers.Embedding(args.vocab, args.embedding_dim)(inputs)
-    x = keras.layers.LSTM(args.units, return_sequences=True)(x)
-    x = keras.layers.LSTM(args.units)(x)
-    # The output stays float32 under mixed_float16 for a numerically stable loss.
-    outputs = keras.layers.Dense(1, activation="sigmoid", dtype="float32")(x)
-    model = keras.Model(inputs, outputs, name="imdb_lstm")
+    model = lstm_text_classifier(args.maxlen, args.vocab, args.embedding_dim, args.units, name="imdb_lstm")
 
     schedule = WorkerScaledSchedule(args.lr, hvd.size(), steps_per_epoch, decay=args.lr_decay,
                                     warmup_epochs=args.warmup_epochs, max_lr=args.max_lr)
@@ -246,20 +230,6 @@ class SaveCheckpoint(keras.callbacks.Callback):
                 pass
 
 
-def read_checkpoint_state(directory):
-    path = os.path.join(directory, "state.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_json_atomic(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
 # ----------------------------------------------------------------------------- reporting
 
 def plot_history(history, path, title):
@@ -319,11 +289,7 @@ def main():
     # ranks start from rank 0's copy.
     model, history, initial_epoch = None, [], 0
     if args.checkpoint_dir:
-        state = None
-        if rank == 0:
-            os.makedirs(args.checkpoint_dir, exist_ok=True)
-            state = read_checkpoint_state(args.checkpoint_dir)
-        state = broadcast_object(state, root_rank=0)
+        state = agreed_checkpoint_state(args.checkpoint_dir)
         if state:
             model = hvd.load_model(os.path.join(args.checkpoint_dir, state["model"]), compression=compression)
             history, initial_epoch = state["history"], state["epoch"]
@@ -358,9 +324,7 @@ def main():
         final = {"val_" + k: float(np.mean([g[k] for g in gathered])) for k in scores}
 
     # Data parallelism keeps the replicas identical: check it.
-    weights = sha256_of(model.get_weights())
-    opt_state = sha256_of(model.optimizer.variables)
-    digests = allgather_object((weights, opt_state))
+    replicas = replica_check(model.get_weights(), model.optimizer.variables)
 
     if rank == 0:
         if args.plot and history:
@@ -375,9 +339,7 @@ def main():
             "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
             "epochs": args.epochs, "initial_epoch": initial_epoch, "epochs_run": len(history) - epochs_before,
             "seconds": round(time.time() - START, 1), "train_seconds": round(train_seconds, 1),
-            "weights_sha256": weights,
-            "weights_identical": all(d[0] == weights for d in digests),
-            "optimizer_state_identical": all(d[1] == opt_state for d in digests),
+            **replicas,
         }
         print("RESULT " + json.dumps(result), flush=True)
 

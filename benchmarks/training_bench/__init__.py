@@ -82,16 +82,21 @@ command line (``python -m training_bench`` from benchmarks/ is the same):
 
   __main__.py  the command line of the three roles (driver, worker, --results)
   worker.py    the worker role: one configuration trained in this process, RESULT {json}
-  driver.py    the driver role: launches (processes, environments, timeouts), rounds
+  driver.py    the driver role: launches (processes, environments, timeouts), rounds, the JSON file
   stats.py     windows, efficiencies, medians and spreads over rounds
-  report.py    the text and Markdown tables, progress lines, the JSON file
+  report.py    the text and Markdown tables, progress lines
   plot.py      the efficiency figure
 """
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = os.path.dirname(HERE)
 REPO_ROOT = os.path.dirname(BENCHMARKS)
+# example_utils (write_json_atomic) is shared with the examples; it imports no TensorFlow.
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.append(EXAMPLES)
 # What every launch runs (the worker role): the same command line as by hand.
 SCRIPT = os.path.join(BENCHMARKS, "training_bench.py")
 

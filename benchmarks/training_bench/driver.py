@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from training_bench import (BATCH_PER_PROCESS, DISTRIBUTED_PROCESSES, GROUPING_NAMES, MODES, PRECISIONS, REPO_ROOT,
                             RESULT_PREFIX, SCRIPT, SPARSE_GRADIENT_MODELS)
 from training_bench.plot import plot_efficiency
-from training_bench.report import format_table, progress_line, write_json
+from training_bench.report import format_table, progress_line
 from training_bench.stats import add_efficiencies, summarize_rounds
+
+from example_utils import write_json_atomic  # noqa: E402  (examples/ is on sys.path once training_bench is imported)
 
 
 @dataclass(frozen=True)
@@ -314,7 +316,7 @@ def run_driver(args):
     print(format_table(summary), flush=True)
     print(f"driver: {len(launches)} launches in {report['driver_seconds']:.0f} s", flush=True)
     if args.json:
-        write_json(report, args.json)
+        write_json_atomic(args.json, report, indent=1)
         print(f"wrote {args.json}", flush=True)
     if args.plot:
         plot_efficiency(report, args.plot)

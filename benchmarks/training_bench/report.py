@@ -1,7 +1,5 @@
-"""What the driver prints and saves: a progress line per launch, the summary as a text table or as
-the Markdown table of docs/performance.md, and the JSON report."""
-import json
-import os
+"""What the driver prints: a progress line per launch, and the summary as a text table or as the
+Markdown table of docs/performance.md."""
 
 
 def progress_line(k, total, entry):
@@ -71,10 +69,3 @@ def format_markdown(summary):
         rows.append(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
     header = "| model | " + " | ".join(labels) + " |"
     return "\n".join([header, "|" + "---|" * (len(labels) + 1)] + rows)
-
-
-def write_json(report, path):
-    """Writes the report atomically (a reader never sees half a file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _checks import run_checks  # noqa: E402
+from _expect import raises  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
 
@@ -39,19 +40,6 @@ def tf1_session():
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
         yield sess
-
-
-def raises(fn, cls, *needles):
-    try:
-        fn()
-    except cls as e:
-        text = getattr(e, "message", str(e))
-        for n in needles:
-            assert n in text, f"{n!r} not in {text!r}"
-        return
-    except Exception as e:  # the wrong class fails with what was raised
-        raise AssertionError(f"wanted {cls.__name__}, got {type(e).__name__}: {e}") from e
-    raise AssertionError(f"wanted {cls.__name__}, nothing was raised")
 
 
 def gradients(mode, inits, forward):

@@ -287,7 +287,11 @@ Status Engine::Validate(const Request& r) const {
                              " (one GPU per rank: pick it with local_rank())");
   }
   const bool sized_later = m.type == CollectiveType::kAllgather || m.type == CollectiveType::kAlltoall;
-  if ((m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter) && m.op == ReduceOp::kAdasum)
+  const bool reduces = m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter;
+  if (reduces && static_cast<int>(m.op) > static_cast<int>(ReduceOp::kAdasum))  // found by tests/workers/fuzz_worker.py
+    return Status::Invalid("tf_mpi: " + what + ": unknown reduce op " + std::to_string(static_cast<int>(m.op)) +
+                           " (Average=0, Sum=1, Min=2, Max=3, Product=4)");
+  if (reduces && m.op == ReduceOp::kAdasum)
     return Status::Invalid("tf_mpi: Adasum is not implemented yet; use Average or Sum");
   if (!sized_later && r.outputs.size() != m.tensors.size())
     return Status::Invalid("tf_mpi: " + what + ": outputs do not match tensors");

@@ -4,6 +4,8 @@
 #include <set>
 #include <sstream>
 
+#include "logging.h"
+
 namespace tfmpi {
 
 namespace {
@@ -241,6 +243,32 @@ std::string Autotuner::Report() const {
   std::ostringstream os;
   for (const std::string& line : report_) os << "\n  " << line;
   return os.str();
+}
+
+void TuneBatch(Autotuner& tuner, Holdback& holdback, const ResponseCache& cache, Autotuner::Clock::time_point now,
+               std::vector<Decision>* decisions) {
+  auto observe = [&](const std::vector<Decision>& batch, size_t from) {
+    std::optional<TuneSetting> change;
+    for (size_t i = from; i < batch.size(); ++i) {
+      if (const Response* r = Holdback::Executed(batch[i], cache))
+        if (auto s = tuner.Observe(r->meta.name, Holdback::MayHold(batch[i], cache), now)) change = s;
+    }
+    return change;
+  };
+  std::optional<TuneSetting> change = holdback.gave_up() ? tuner.HoldingFailed() : std::nullopt;
+  if (auto s = observe(*decisions, 0)) change = s;
+  if (!change) return;
+  // New runs replace the old ones: what the old ones hold goes now (and is
+  // shown to the tuner, so its counts of each name stay right).
+  const size_t released_from = decisions->size();
+  for (Decision& d : holdback.Release(now, true)) decisions->push_back(std::move(d));
+  observe(*decisions, released_from);
+  holdback.SetRuns(change->runs, tuner.hold_limit(), tuner.DecidedThisStep());
+  Decision settings;
+  settings.kind = Decision::Kind::kSettings;
+  settings.tunables = change->tunables;
+  decisions->push_back(settings);
+  if (tuner.finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE), median step time per setting:" + tuner.Report());
 }
 
 }  // namespace tfmpi

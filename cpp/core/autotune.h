@@ -105,4 +105,10 @@ class Autotuner {
   std::vector<std::string> report_;
 };
 
+// Rank 0, once per batch while tuning: shows the tuner the batch's
+// collectives; when it picks a new setting, releases what the old runs hold,
+// gives the holdback the new runs and appends the kSettings decision.
+void TuneBatch(Autotuner& tuner, Holdback& holdback, const ResponseCache& cache, Autotuner::Clock::time_point now,
+               std::vector<Decision>* decisions);
+
 }  // namespace tfmpi

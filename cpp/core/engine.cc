@@ -9,6 +9,7 @@
 #include "executor.h"
 #include "holdback.h"
 #include "logging.h"
+#include "outbox.h"
 #include "response_cache.h"
 #include "wait_policy.h"
 #include "wire.h"
@@ -21,85 +22,6 @@ constexpr int kTagAnnounce = 7101;
 constexpr int kTagDecide = 7102;
 // How often rank 0 looks at the world when it has nothing in flight (see Loop, step 3).
 constexpr auto kCoordinatorIdleWake = std::chrono::milliseconds(20);
-
-// Keeps non-blocking sends' buffers alive until MPI has finished with them.
-class Outbox {
- public:
-  void Send(MPI_Comm comm, int dest, int tag, std::shared_ptr<std::vector<char>> bytes) {
-    msgs_.push_back({std::move(bytes), MPI_REQUEST_NULL, dest});
-    auto& m = msgs_.back();
-    MPI_Isend(m.bytes->data(), static_cast<int>(m.bytes->size()), MPI_BYTE, dest, tag, comm, &m.req);
-  }
-  void Reap() {
-    for (auto it = msgs_.begin(); it != msgs_.end();) {
-      int done = 0;
-      MPI_Test(&it->req, &done, MPI_STATUS_IGNORE);
-      it = done ? msgs_.erase(it) : std::next(it);
-    }
-  }
-  struct Undelivered {
-    int64_t messages = 0, bytes = 0;
-    std::set<int> ranks;
-  };
-  // At exit: gives peers `limit` to take our last messages, then cancels the
-  // rest. No request is left pending on memory that is freed: a send that MPI
-  // cannot cancel (Open MPI does not cancel sends) is released with
-  // MPI_Request_free and its buffer kept for the life of the process, since
-  // MPI may still read it. Returns what never reached its peer.
-  Undelivered Close(Clock::duration limit) {
-    const auto deadline = Clock::now() + limit;
-    while (!msgs_.empty() && Clock::now() < deadline) {
-      Reap();
-      std::this_thread::yield();
-    }
-    Undelivered lost;
-    if (msgs_.empty()) return lost;
-    for (Msg& m : msgs_) MPI_Cancel(&m.req);
-    const auto cancel_deadline = Clock::now() + std::chrono::milliseconds(100);
-    do {
-      for (auto it = msgs_.begin(); it != msgs_.end();) {
-        int done = 0, cancelled = 0;
-        MPI_Status st;
-        MPI_Test(&it->req, &done, &st);
-        if (!done) { ++it; continue; }
-        MPI_Test_cancelled(&st, &cancelled);
-        if (cancelled) Count(*it, &lost);
-        it = msgs_.erase(it);
-      }
-      std::this_thread::yield();
-    } while (!msgs_.empty() && Clock::now() < cancel_deadline);
-    static auto* kept = new std::vector<std::shared_ptr<std::vector<char>>>();  // leaked on purpose
-    for (Msg& m : msgs_) {
-      Count(m, &lost);
-      MPI_Request_free(&m.req);
-      kept->push_back(std::move(m.bytes));
-    }
-    msgs_.clear();
-    return lost;
-  }
-
- private:
-  struct Msg { std::shared_ptr<std::vector<char>> bytes; MPI_Request req; int dest; };
-  static void Count(const Msg& m, Undelivered* lost) {
-    ++lost->messages;
-    lost->bytes += static_cast<int64_t>(m.bytes->size());
-    lost->ranks.insert(m.dest);
-  }
-  std::list<Msg> msgs_;
-};
-
-bool TryReceive(MPI_Comm comm, int source, int tag, std::vector<char>* bytes, int* from) {
-  int flag = 0;
-  MPI_Status st;
-  MPI_Iprobe(source, tag, comm, &flag, &st);
-  if (!flag) return false;
-  int n = 0;
-  MPI_Get_count(&st, MPI_BYTE, &n);
-  bytes->resize(n);
-  MPI_Recv(bytes->data(), n, MPI_BYTE, st.MPI_SOURCE, tag, comm, MPI_STATUS_IGNORE);
-  *from = st.MPI_SOURCE;
-  return true;
-}
 
 void FailAll(InFlight* in_flight, const Status& why) {
   for (auto& [name, r] : *in_flight) r->done(why);
@@ -257,63 +179,15 @@ void Engine::Abort(int code) {
 }
 
 Status Engine::Validate(const Request& r) const {
-  const RequestMeta& m = r.meta;
-  const std::string what = std::string(CollectiveName(m.type)) + " '" + m.name + "'";
-  if (m.name.empty()) return Status::Invalid("tf_mpi: every collective needs a name");
-  if (m.type == CollectiveType::kJoin) {
-    if (m.name != kJoinName || r.outputs.size() != 1) return Status::Invalid("tf_mpi: malformed join request");
-    return Status::OK();
-  }
-  if (m.tensors.empty()) return Status::Invalid("tf_mpi: " + what + " has no tensors");
-  if (r.inputs.size() != m.tensors.size())
-    return Status::Invalid("tf_mpi: " + what + ": inputs do not match tensors");
-  for (const TensorMeta& t : m.tensors) {
-    if (t.dtype >= DataType::kNumTypes) return Status::Invalid("tf_mpi: " + what + ": unsupported dtype");
-    const bool reduces = m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter;
-    if (reduces && t.dtype == DataType::kBool)
-      return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) + " does not support bool tensors");
-    if (m.type != CollectiveType::kAllreduce && m.type != CollectiveType::kBroadcast && t.shape.empty())
-      return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) +
-                             " needs tensors with at least one dimension (got a scalar)");
-  }
-  if (m.gpu != (r.device >= 0)) return Status::Invalid("tf_mpi: " + what + ": meta.gpu and device disagree");
-  if (r.device >= 0) {
-    std::string why;
-    if (!CudaApi(&why)) return Status::Precondition(why);
-    int expected = -1;
-    if (!gpu_device_.compare_exchange_strong(expected, r.device) && expected != r.device)
-      return Status::Invalid("tf_mpi: " + what + " is on GPU " + std::to_string(r.device) + ", but this rank's " +
-                             "collectives use GPU " + std::to_string(expected) +
-                             " (one GPU per rank: pick it with local_rank())");
-  }
-  const bool sized_later = m.type == CollectiveType::kAllgather || m.type == CollectiveType::kAlltoall;
-  const bool reduces = m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter;
-  if (reduces && static_cast<int>(m.op) > static_cast<int>(ReduceOp::kAdasum))  // found by tests/workers/fuzz_worker.py
-    return Status::Invalid("tf_mpi: " + what + ": unknown reduce op " + std::to_string(static_cast<int>(m.op)) +
-                           " (Average=0, Sum=1, Min=2, Max=3, Product=4)");
-  if (reduces && m.op == ReduceOp::kAdasum)
-    return Status::Invalid("tf_mpi: Adasum is not implemented yet; use Average or Sum");
-  if (!sized_later && r.outputs.size() != m.tensors.size())
-    return Status::Invalid("tf_mpi: " + what + ": outputs do not match tensors");
-  if (sized_later && !r.allocate)
-    return Status::Invalid("tf_mpi: " + what + ": no output allocator");
-  if (m.type == CollectiveType::kAlltoall) {
-    if (m.tensors.size() != 1) return Status::Invalid("tf_mpi: " + what + ": alltoall takes one tensor");
-    if (static_cast<int>(m.splits.size()) != mpi_.size())
-      return Status::Invalid("tf_mpi: " + what + ": splits has " + std::to_string(m.splits.size()) +
-                             " entries but there are " + std::to_string(mpi_.size()) + " ranks");
-    int64_t total = 0;
-    for (int64_t s : m.splits) {
-      if (s < 0) return Status::Invalid("tf_mpi: " + what + ": negative split");
-      total += s;
-    }
-    if (total != m.tensors[0].shape[0])
-      return Status::Invalid("tf_mpi: " + what + ": splits sum to " + std::to_string(total) +
-                             " but the tensor's first dimension is " + std::to_string(m.tensors[0].shape[0]));
-  }
-  if (m.type == CollectiveType::kBroadcast && (m.root < 0 || m.root >= mpi_.size()))
-    return Status::Invalid("tf_mpi: " + what + ": root rank " + std::to_string(m.root) + " is out of range for " +
-                           std::to_string(mpi_.size()) + " ranks");
+  Status s = ValidateRequest(r, mpi_.size());
+  if (!s.ok() || r.device < 0) return s;
+  std::string why;
+  if (!CudaApi(&why)) return Status::Precondition(why);
+  int expected = -1;
+  if (!gpu_device_.compare_exchange_strong(expected, r.device) && expected != r.device)
+    return Status::Invalid("tf_mpi: " + std::string(CollectiveName(r.meta.type)) + " '" + r.meta.name +
+                           "' is on GPU " + std::to_string(r.device) + ", but this rank's collectives use GPU " +
+                           std::to_string(expected) + " (one GPU per rank: pick it with local_rank())");
   return Status::OK();
 }
 
@@ -410,44 +284,6 @@ void Engine::Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& f
   }
   if (wake) cv_.notify_one();
   RunCompletions(done);
-}
-
-std::vector<Decision> Engine::HoldBack(Protocol& p, std::vector<Decision> decided, Clock::time_point now) {
-  std::vector<Decision> out = p.holdback.Admit(std::move(decided), p.cache, now);
-  for (Decision& d : p.holdback.Release(now, p.stop_announced)) out.push_back(std::move(d));
-  stats_.held_back.store(p.holdback.total_held());
-  if (p.holdback.gave_up() && !p.holdback_gave_up_reported) {
-    p.holdback_gave_up_reported = true;
-    LogWarning("autotune: a held-back allreduce waited longer than the step-time limit for the rest of its group;"
-               " every allreduce is sent as soon as it is ready from now on");
-  }
-  return out;
-}
-
-void Engine::Autotune(Protocol& p, Clock::time_point now, std::vector<Decision>* decisions) {
-  Autotuner& tuner = *p.tuner;
-  auto observe = [&](const std::vector<Decision>& batch, size_t from) {
-    std::optional<TuneSetting> change;
-    for (size_t i = from; i < batch.size(); ++i) {
-      if (const Response* r = Holdback::Executed(batch[i], p.cache))
-        if (auto s = tuner.Observe(r->meta.name, Holdback::MayHold(batch[i], p.cache), now)) change = s;
-    }
-    return change;
-  };
-  std::optional<TuneSetting> change = p.holdback.gave_up() ? tuner.HoldingFailed() : std::nullopt;
-  if (auto s = observe(*decisions, 0)) change = s;
-  if (!change) return;
-  // New runs replace the old ones: what the old ones hold goes now (and is
-  // shown to the tuner, so its counts of each name stay right).
-  const size_t released_from = decisions->size();
-  for (Decision& d : p.holdback.Release(now, true)) decisions->push_back(std::move(d));
-  observe(*decisions, released_from);
-  p.holdback.SetRuns(change->runs, tuner.hold_limit(), tuner.DecidedThisStep());
-  Decision settings;
-  settings.kind = Decision::Kind::kSettings;
-  settings.tunables = change->tunables;
-  decisions->push_back(settings);
-  if (tuner.finished()) LogInfo("autotune finished (TF_MPI_AUTOTUNE), median step time per setting:" + tuner.Report());
 }
 
 int64_t Engine::BatchBytes(const Protocol& p, const std::vector<Decision>& batch) const {
@@ -621,8 +457,10 @@ bool Engine::Step(Protocol& p, bool on_caller, bool* deferred) {
       p.coord->CheckStalls(now);
       p.last_stall_check = now;
     }
-    std::vector<Decision> decisions = HoldBack(p, p.coord->TakeDecisions(), now);
-    if (p.tuner && !p.tuner->finished()) Autotune(p, now, &decisions);
+    std::vector<Decision> decisions =
+        HoldBackBatch(p.holdback, p.cache, p.coord->TakeDecisions(), now, p.stop_announced, &p.holdback_gave_up_reported);
+    stats_.held_back.store(p.holdback.total_held());
+    if (p.tuner && !p.tuner->finished()) TuneBatch(*p.tuner, p.holdback, p.cache, now, &decisions);
     if (p.stop_announced && !p.gone_sent) {
       Decision gone;
       gone.kind = Decision::Kind::kCoordinatorGone;

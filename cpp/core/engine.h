@@ -107,10 +107,6 @@ class Engine {
   Completions TakeCompletions();
   // Runs callbacks; the caller holds no engine lock.
   void RunCompletions(Completions& list);
-  // Rank 0: the holdback's verdict on the decisions just made, plus what it releases now.
-  std::vector<Decision> HoldBack(Protocol& p, std::vector<Decision> decided, std::chrono::steady_clock::time_point now);
-  // Rank 0: shows the tuner this batch's collectives and applies its new setting, if any.
-  void Autotune(Protocol& p, std::chrono::steady_clock::time_point now, std::vector<Decision>* decisions);
   Status Validate(const Request& r) const;
 
   MpiContext mpi_;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "logging.h"
+
 namespace tfmpi {
 
 namespace {
@@ -105,6 +107,18 @@ std::vector<Decision> Holdback::Release(Clock::time_point now, bool all) {
   for (Run& run : runs_) if (!run.held.empty()) order.push_back(&run);
   std::sort(order.begin(), order.end(), [](const Run* a, const Run* b) { return a->since < b->since; });
   for (Run* run : order) Flush(*run, &out);
+  return out;
+}
+
+std::vector<Decision> HoldBackBatch(Holdback& holdback, const ResponseCache& cache, std::vector<Decision> decided,
+                                    Holdback::Clock::time_point now, bool stopping, bool* gave_up_reported) {
+  std::vector<Decision> out = holdback.Admit(std::move(decided), cache, now);
+  for (Decision& d : holdback.Release(now, stopping)) out.push_back(std::move(d));
+  if (holdback.gave_up() && !*gave_up_reported) {
+    *gave_up_reported = true;
+    LogWarning("autotune: a held-back allreduce waited longer than the step-time limit for the rest of its group;"
+               " every allreduce is sent as soon as it is ready from now on");
+  }
   return out;
 }
 

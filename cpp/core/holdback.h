@@ -7,7 +7,7 @@
 // Why: overlapping an early gradient group with backprop is not free on a
 // machine whose cores all compute. MPI busy-polls while the early group is in
 // flight, and on the LSTM benchmark that cost the computation more than the
-// overlap saved (docs/performance.md, "The plan's unit is a layer"). Which
+// overlap saved (docs/how-it-works.md, "The grouping plan"). Which
 // allreduces form runs is the autotuner's choice (its merge stage, measured
 // on the real step); with no runs set, nothing is held.
 //
@@ -79,5 +79,11 @@ class Holdback {
   int timeouts_in_a_row_ = 0;
   bool gave_up_ = false;
 };
+
+// Rank 0's holdback step for one batch: the verdict on the decisions just
+// made, plus the held ones whose time has come (all of them when `stopping`).
+// Warns once (through *gave_up_reported) when holding is given up.
+std::vector<Decision> HoldBackBatch(Holdback& holdback, const ResponseCache& cache, std::vector<Decision> decided,
+                                    Holdback::Clock::time_point now, bool stopping, bool* gave_up_reported);
 
 }  // namespace tfmpi

@@ -51,4 +51,56 @@ std::string FieldValue(const RequestMeta& m, const std::string& field) {
   return os.str();
 }
 
+Status ValidateRequest(const Request& r, int world_size) {
+  const RequestMeta& m = r.meta;
+  const std::string what = std::string(CollectiveName(m.type)) + " '" + m.name + "'";
+  if (m.name.empty()) return Status::Invalid("tf_mpi: every collective needs a name");
+  if (m.type == CollectiveType::kJoin) {
+    if (m.name != kJoinName || r.outputs.size() != 1) return Status::Invalid("tf_mpi: malformed join request");
+    return Status::OK();
+  }
+  if (m.tensors.empty()) return Status::Invalid("tf_mpi: " + what + " has no tensors");
+  if (r.inputs.size() != m.tensors.size())
+    return Status::Invalid("tf_mpi: " + what + ": inputs do not match tensors");
+  for (const TensorMeta& t : m.tensors) {
+    if (t.dtype >= DataType::kNumTypes) return Status::Invalid("tf_mpi: " + what + ": unsupported dtype");
+    const bool reduces = m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter;
+    if (reduces && t.dtype == DataType::kBool)
+      return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) + " does not support bool tensors");
+    if (m.type != CollectiveType::kAllreduce && m.type != CollectiveType::kBroadcast && t.shape.empty())
+      return Status::Invalid("tf_mpi: " + what + ": " + CollectiveName(m.type) +
+                             " needs tensors with at least one dimension (got a scalar)");
+  }
+  if (m.gpu != (r.device >= 0)) return Status::Invalid("tf_mpi: " + what + ": meta.gpu and device disagree");
+  const bool sized_later = m.type == CollectiveType::kAllgather || m.type == CollectiveType::kAlltoall;
+  const bool reduces = m.type == CollectiveType::kAllreduce || m.type == CollectiveType::kReducescatter;
+  if (reduces && static_cast<int>(m.op) > static_cast<int>(ReduceOp::kAdasum))
+    return Status::Invalid("tf_mpi: " + what + ": unknown reduce op " + std::to_string(static_cast<int>(m.op)) +
+                           " (Average=0, Sum=1, Min=2, Max=3, Product=4)");
+  if (reduces && m.op == ReduceOp::kAdasum)
+    return Status::Invalid("tf_mpi: Adasum is not implemented yet; use Average or Sum");
+  if (!sized_later && r.outputs.size() != m.tensors.size())
+    return Status::Invalid("tf_mpi: " + what + ": outputs do not match tensors");
+  if (sized_later && !r.allocate)
+    return Status::Invalid("tf_mpi: " + what + ": no output allocator");
+  if (m.type == CollectiveType::kAlltoall) {
+    if (m.tensors.size() != 1) return Status::Invalid("tf_mpi: " + what + ": alltoall takes one tensor");
+    if (static_cast<int>(m.splits.size()) != world_size)
+      return Status::Invalid("tf_mpi: " + what + ": splits has " + std::to_string(m.splits.size()) +
+                             " entries but there are " + std::to_string(world_size) + " ranks");
+    int64_t total = 0;
+    for (int64_t s : m.splits) {
+      if (s < 0) return Status::Invalid("tf_mpi: " + what + ": negative split");
+      total += s;
+    }
+    if (total != m.tensors[0].shape[0])
+      return Status::Invalid("tf_mpi: " + what + ": splits sum to " + std::to_string(total) +
+                             " but the tensor's first dimension is " + std::to_string(m.tensors[0].shape[0]));
+  }
+  if (m.type == CollectiveType::kBroadcast && (m.root < 0 || m.root >= world_size))
+    return Status::Invalid("tf_mpi: " + what + ": root rank " + std::to_string(m.root) + " is out of range for " +
+                           std::to_string(world_size) + " ranks");
+  return Status::OK();
+}
+
 }  // namespace tfmpi

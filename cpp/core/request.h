@@ -86,4 +86,9 @@ std::string FirstDifference(const RequestMeta& a, const RequestMeta& b);
 // Human-readable value of `field` (as named by FirstDifference) in `m`.
 std::string FieldValue(const RequestMeta& m, const std::string& field);
 
+// What one rank can check of its own request before negotiation (names,
+// tensors, dtypes, ops, splits, root rank in a job of `world_size` ranks):
+// an InvalidArgument error naming the collective, or OK.
+Status ValidateRequest(const Request& r, int world_size);
+
 }  // namespace tfmpi

@@ -15,7 +15,7 @@
 // Off by default: a yielding collective finishes later (the same benchmark:
 // 20-130 ms instead of 15-40 ms beside the compute thread), which moves
 // communication into the step's tail. In training on this 2-core machine the
-// two effects cancelled out (docs/performance.md: LSTM +2 %, MLP -1 %, medians
+// two effects cancelled out (docs/configuration.md, experimental settings: LSTM +2 %, MLP -1 %, medians
 // of alternating launches, both within noise).
 //
 // The switch is Open MPI's exported opal_progress_set_yield_when_idle(),

@@ -31,10 +31,10 @@ void FailAll(InFlight* in_flight, const Status& why) {
 const char* const kCoordinatorGoneError =
     "tf_mpi: rank 0 called shutdown() or stopped after an error (see its log); no more collectives can run";
 
-// What this thread holds of the engine. A request submitted while the thread
-// runs the protocol (tls_turn) or runs completion callbacks (tls_completing)
-// is queued for the background thread instead of being driven here, so
-// callbacks never nest drives.
+// What this thread holds of the engine: progress_mu_ (tls_turn), mu_
+// (tls_state_locks). A request submitted while the thread holds the protocol
+// or runs completion callbacks (tls_completing) is queued for the background
+// thread instead of being driven here, so callbacks never nest drives.
 thread_local bool tls_turn = false;
 thread_local bool tls_completing = false;
 thread_local int tls_state_locks = 0;
@@ -271,9 +271,9 @@ void Engine::Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& f
     if (now > give_up) break;
   }
   if (deferred) ++stats_.deferred_batches;
-  tls_turn = false;
   const bool work_left = !p.in_flight.empty() || !p.ready.empty() || p.done;
   Completions done = TakeCompletions();
+  tls_turn = false;
   turn.unlock();
   bool wake;
   {
@@ -519,15 +519,15 @@ void Engine::Loop() {
       std::unique_lock<std::mutex> turn(progress_mu_, std::try_to_lock);
       if (turn.owns_lock()) {
         Protocol& p = *protocol_;
+        tls_turn = true;
         if (!p.done) {  // else a caller's Drive() ended the protocol
-          tls_turn = true;
           bool deferred = false;
           progressed = SafeStep(p, false, &deferred);
-          tls_turn = false;
           expecting = !p.in_flight.empty() || !p.ready.empty() || p.stop_announced;
         }
         ended = p.done;
         done = TakeCompletions();
+        tls_turn = false;
       } else {
         driven = true;  // a caller is running the protocol (Drive)
       }

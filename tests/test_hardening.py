@@ -21,13 +21,18 @@ def launch(scenario):
 
 
 def checks_of(scenario):
-    """The check_* names a scenario's branch of the worker defines."""
+    """The check_* names defined under the worker's `if/elif SCENARIO == "<scenario>":` branches."""
     import os
     import re
     from mpi_harness import WORKERS
-    text = open(os.path.join(WORKERS, WORKER)).read()
-    branch = re.search(rf'SCENARIO == "{scenario}":\n(.*?)(?=\n(?:el)?if |\nif __name__)', text, re.S).group(1)
-    return re.findall(r"^    def (check_\w+)\(", branch, flags=re.M)
+    names, inside = [], False
+    for line in open(os.path.join(WORKERS, WORKER)):
+        if line and not line[0].isspace() and line.strip():
+            inside = re.match(rf'(el)?if SCENARIO == "{scenario}":', line) is not None
+        elif inside and (m := re.match(r"    def (check_\w+)\(", line)):
+            names.append(m.group(1))
+    assert names, f"scenario {scenario} defines no checks"
+    return names
 
 
 CASES = [(s, c) for s in SCENARIOS for c in checks_of(s)]

@@ -212,17 +212,30 @@ def check_grouping_plan_follows_backprop_and_byte_bound():
 
 
 def check_overlap_probe_tells_background_communication_from_a_shared_core():
+    import threading
     from tf_mpi.overlap_probe import measure_overlap
     # A "computation" that leaves the CPU free (as a GPU would): the allreduce hides behind it.
     background = measure_overlap(lambda k: time.sleep(0.001 * k))
     assert 0.5 < background <= 1.0, background
-    # The real TensorFlow kernel: any value in [0, 1], but rank 0's on every rank, so plans agree.
-    measured = measure_overlap()
-    assert 0.0 <= measured <= 1.0
-    planned = hvd.grouping.measure_cost_model().overlap  # what the default plans were cut with
-    assert 0.0 <= planned <= 1.0
-    everywhere = _core.allgather(np.array([background, measured, planned], np.float64)[None, :], "overlap.values")
-    assert all(np.array_equal(everywhere[0], row) for row in everywhere), everywhere
+
+    # The same computation, but it cannot start before the probe's allreduce (run by a thread
+    # beside it) has finished: together they take as long as one after the other, by
+    # construction. A probe that reported overlap here (threads not run together, a wrong
+    # formula or clip) could not tell a shared core from a free one.
+    def after_the_allreduce(k):
+        for t in threading.enumerate():
+            if "comm_thread" in t.name:  # measure_overlap's allreduce thread, only while both run
+                t.join()
+        time.sleep(0.001 * k)
+    none = measure_overlap(after_the_allreduce)
+    assert none < 0.5, none
+    # The TensorFlow kernel's reading, which the default plans use, is printed, not asserted: on a
+    # machine shared with other work it is noise-bound (all threads of both ranks on one core:
+    # 0, 0.96, 0, 0, 0 in five launches).
+    tf_kernel = measure_overlap()  # collective: every rank
+    if R == 0:
+        print(f"overlap probe: sleep {background:.2f}, after the allreduce {none:.2f}, tf kernel {tf_kernel:.2f}",
+              flush=True)
     # An override skips the probe (the kernel would raise).
     os.environ["TF_MPI_OVERLAP"] = "0.25"
     try:

@@ -1,4 +1,4 @@
-"""Issue 18's engine changes on GPU memory (run after ci/gpu_check.sh, which builds
+"""The engine's failure handling on GPU memory (run after ci/gpu_check.sh, which builds
 the module; needs an NVIDIA GPU and CuPy, no TensorFlow):
 
     TF_MPI_CHUNK_BYTES=65536 mpirun -np 2 python ci/gpu_hardening_check.py

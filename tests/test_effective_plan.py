@@ -1,4 +1,4 @@
-"""The effective grouping plan (issue 19): with TF_MPI_AUTOTUNE=plan, rank 0's holdback may send
+"""The effective grouping plan: with TF_MPI_AUTOTUNE=plan, rank 0's holdback may send
 consecutive groups of the grouping plan as one message. describe() says so and names each
 group's collective; rank 0 logs the plan in effect on the wire once, when the tuner finishes, as
 the same collectives, grouped as they are sent (2 ranks, a small Keras model)."""

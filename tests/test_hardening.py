@@ -1,4 +1,4 @@
-"""The engine's hazards (issue 18), each provoked on purpose under real mpirun:
+"""The engine's hazards, each provoked on purpose under real mpirun:
 what a caller's thread executes inline, where completion callbacks run,
 messages left at shutdown, counts beyond MPI's ints, a garbled protocol
 message, and the MPI thread level. numpy-only workers (tests/workers/hardening_worker.py)."""

@@ -1,4 +1,4 @@
-"""Horovod compatibility (issue 17): the semantics `import tf_mpi as hvd` keeps
+"""Horovod compatibility: the semantics `import tf_mpi as hvd` keeps
 from Horovod 0.28.1 -- error classes, 16-bit integers, alltoall's return value,
 gradients of broadcast / allgather / reducescatter (eager, tf.function and
 TF1 graph mode, grouped and not), in-place broadcast, and the API a Horovod

@@ -1,4 +1,4 @@
-"""The engine's hazards, each provoked on purpose (issue 18). numpy and the
+"""The engine's hazards, each provoked on purpose. numpy and the
 pybind module only (no TensorFlow: each launch starts in about a second).
 The scenario is argv[1]; tests/test_hardening.py launches each one.
 

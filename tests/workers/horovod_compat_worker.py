@@ -1,4 +1,4 @@
-"""Horovod 0.28.1 semantics that `import tf_mpi as hvd` must keep (issue 17),
+"""Horovod 0.28.1 semantics that `import tf_mpi as hvd` must keep,
 run on every rank by tests/test_horovod_compat.py at np=2 and np=3.
 
 Each check states what Horovod documents and implements for one point of the

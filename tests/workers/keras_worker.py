@@ -215,8 +215,11 @@ def check_overlap_probe_tells_background_communication_from_a_shared_core():
     import threading
     from tf_mpi.overlap_probe import measure_overlap
     # A "computation" that leaves the CPU free (as a GPU would): the allreduce hides behind it.
-    background = measure_overlap(lambda k: time.sleep(0.001 * k))
-    assert 0.5 < background <= 1.0, background
+    # Best of 3 probes (a fixed count, so every rank runs the same collectives): on a machine
+    # busy with other work one probe in several read ~0.4; a broken probe reads ~0 every time.
+    readings = [measure_overlap(lambda k: time.sleep(0.001 * k)) for _ in range(3)]
+    background = max(readings)
+    assert 0.5 < background <= 1.0, readings
 
     # The same computation, but it cannot start before the probe's allreduce (run by a thread
     # beside it) has finished: together they take as long as one after the other, by

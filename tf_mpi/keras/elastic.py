@@ -54,17 +54,21 @@ class CommitStateCallback(keras.callbacks.Callback):
             self.batches_remaining = self.batches_per_commit
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class _StateCallback(keras.callbacks.Callback):
+    """A callback that keeps a field of an elastic ``state`` up to date."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+
+class UpdateBatchStateCallback(_StateCallback):
     """Keeps ``state.batch`` at the last finished batch (0 at each epoch's end).
 
     Example::
 
         callbacks=[hvd.elastic.UpdateBatchStateCallback(state)]
     """
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
 
     def on_train_batch_end(self, batch, logs=None):
         self.state.batch = batch
@@ -73,17 +77,13 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_StateCallback):
     """Keeps ``state.epoch`` at the last finished epoch.
 
     Example::
 
         callbacks=[hvd.elastic.UpdateEpochStateCallback(state)]
     """
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = epoch

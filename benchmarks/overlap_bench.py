@@ -1,6 +1,6 @@
 """How much an allreduce slows the computation running beside it on the same core, and back.
 
-    python benchmarks/overlap_bench.py                 # driver: both wait policies, prints a table
+    python benchmarks/overlap_bench.py                 # driver: one launch, prints a table
     python -m tf_mpi.run -np 2 python benchmarks/overlap_bench.py --worker   # one launch
 
 In data-parallel training a rank reduces gradient groups while its backprop
@@ -14,10 +14,8 @@ engine. Per size it prints:
 - allreduce: the time per allreduce beside the compute, and alone, and raw
   ``MPI_Allreduce`` (mpi4py) alone, measured in the same launch.
 
-The driver launches the worker twice: with the default ``TF_MPI_YIELD_BYTES=0``
-(Open MPI busy-polls inside every call) and with ``TF_MPI_YIELD_BYTES=262144``
-(calls of at least 256 KiB yield the CPU while they wait; see
-cpp/core/wait_policy.h). Ranks are bound
+Open MPI busy-polls inside every call while it waits for the peers; the
+figures show what that costs a computation sharing the core. Ranks are bound
 one per core, as mpirun does by default with 2 ranks on 2 cores.
 """
 import argparse
@@ -116,25 +114,19 @@ def worker(args):
         print("RESULT " + json.dumps({"config": _core.config(), "results": results}), flush=True)
 
 
-POLICIES = [("spin (default)", {"TF_MPI_YIELD_BYTES": "0"}),
-            ("yield from 256 KiB", {"TF_MPI_YIELD_BYTES": str(256 << 10)})]
-
-
 def driver(args):
-    print("| wait policy | bytes | compute speed beside allreduces | allreduce beside compute | "
+    print("| bytes | compute speed beside allreduces | allreduce beside compute | "
           "allreduce alone | raw MPI_Allreduce alone |")
-    print("|---|---|---|---|---|---|")
-    for label, extra in POLICIES:
-        env = dict(os.environ, **extra)
-        cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "2", sys.executable, os.path.abspath(__file__),
-               "--worker", "--seconds", str(args.seconds)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"launch failed ({label}):\n{out.stdout}\n{out.stderr}")
-        for r in json.loads(line[len("RESULT "):])["results"]:
-            print(f"| {label} | {r['bytes']} | {r['compute_share']:.2f} | {r['allreduce_beside_us']:.0f} us | "
-                  f"{r['allreduce_alone_us']:.0f} us | {r['raw_alone_us']:.0f} us |", flush=True)
+    print("|---|---|---|---|---|")
+    cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "2", sys.executable, os.path.abspath(__file__),
+           "--worker", "--seconds", str(args.seconds)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"launch failed:\n{out.stdout}\n{out.stderr}")
+    for r in json.loads(line[len("RESULT "):])["results"]:
+        print(f"| {r['bytes']} | {r['compute_share']:.2f} | {r['allreduce_beside_us']:.0f} us | "
+              f"{r['allreduce_alone_us']:.0f} us | {r['raw_alone_us']:.0f} us |", flush=True)
 
 
 def main():

@@ -2,8 +2,7 @@
 eager and tf.function, gradients, ordering, edge cases and errors.
 
 np=2 runs with the default fusion settings (and the >2^31-element case);
-np=3 runs with fusion off, 4 KiB MPI chunks and yielding waits from 4 KiB
-(TF_MPI_YIELD_BYTES), so both code paths, both wait policies and a
+np=3 runs with fusion off and 4 KiB MPI chunks, so both code paths and a
 non-power-of-two world are covered.
 """
 import pytest
@@ -15,8 +14,7 @@ WORKER = "allreduce_worker.py"
 STALL = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 CONFIGS = {
     2: {**STALL, "TF_MPI_TEST_BIG": "1"},
-    3: {**STALL, "TF_MPI_FUSION_THRESHOLD": "0", "TF_MPI_CHUNK_BYTES": "4096",
-        "TF_MPI_YIELD_BYTES": "4096"},
+    3: {**STALL, "TF_MPI_FUSION_THRESHOLD": "0", "TF_MPI_CHUNK_BYTES": "4096"},
 }
 _runs = {}
 

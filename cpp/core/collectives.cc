@@ -4,7 +4,6 @@
 #include <climits>
 #include <string>
 
-#include "wait_policy.h"
 
 namespace tfmpi {
 
@@ -22,7 +21,6 @@ void Collectives::Allreduce(const void* in, void* out, int64_t count, DataType d
   const MPI_Datatype type = mpi_->Type(dtype);
   const MPI_Op mpi_op = mpi_->Op(op, dtype);
   const bool in_place = in == nullptr || in == out;
-  YieldWhileWaiting wait(count * elem, yield_bytes_);
   char* o = static_cast<char*>(out);
   const char* i = static_cast<const char*>(in);
   for (int64_t done = 0; done < count; done += per_call) {
@@ -81,7 +79,6 @@ void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t
   const int n = static_cast<int>(rows_per_rank.size());
   std::vector<int> counts(n), displs(n);
   int64_t offset = 0;
-  YieldWhileWaiting wait(RowsBytes(rows_per_rank, row_bytes), yield_bytes_);
   for (int r = 0; r < n; ++r) {
     counts[r] = static_cast<int>(rows_per_rank[r]);
     displs[r] = static_cast<int>(offset);
@@ -111,7 +108,6 @@ void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>
   MPI_Type_commit(&row);
   std::vector<int> sc = ToInts(send_rows), rc = ToInts(recv_rows);
   std::vector<int> sd = ToInts(Offsets(send_rows)), rd = ToInts(Offsets(recv_rows));
-  YieldWhileWaiting wait(RowsBytes(send_rows, row_bytes) + RowsBytes(recv_rows, row_bytes), yield_bytes_);
   MPI_Alltoallv(in, sc.data(), sd.data(), row, out, rc.data(), rd.data(), row, mpi_->comm());
   MPI_Type_free(&row);
 }
@@ -124,7 +120,6 @@ void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int
   const MPI_Op mpi_op = mpi_->Op(op, dtype);
   int64_t total = 0;
   for (int64_t c : recv_counts) total += c;
-  YieldWhileWaiting wait(total * elem, yield_bytes_);
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_ / elem, INT_MAX));
   if (total <= per_call) {  // one call, as MPI lays the input out
     std::vector<int> counts(recv_counts.begin(), recv_counts.end());
@@ -151,7 +146,6 @@ void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int
 
 void Collectives::Broadcast(void* buf, int64_t bytes, int root) const {
   char* p = static_cast<char*>(buf);
-  YieldWhileWaiting wait(bytes, yield_bytes_);
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_, INT_MAX));
   for (int64_t done = 0; done < bytes; done += per_call) {
     const int n = static_cast<int>(std::min(per_call, bytes - done));

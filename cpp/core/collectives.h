@@ -1,6 +1,5 @@
 // Raw MPI collectives on host buffers, cut into calls of at most
-// `chunk_bytes` (which also keeps every MPI count below 2^31). Calls that
-// move at least `yield_bytes` wait by yielding the CPU (see wait_policy.h).
+// `chunk_bytes` (which also keeps every MPI count below 2^31).
 //
 // Allgather and alltoall count in rows (one derived type per row) and are
 // not cut: their limits are checked first (Check*), from what every rank
@@ -18,8 +17,7 @@ namespace tfmpi {
 
 class Collectives {
  public:
-  Collectives(const MpiContext* mpi, int64_t chunk_bytes, int64_t yield_bytes)
-      : mpi_(mpi), chunk_bytes_(chunk_bytes), yield_bytes_(yield_bytes) {}
+  Collectives(const MpiContext* mpi, int64_t chunk_bytes) : mpi_(mpi), chunk_bytes_(chunk_bytes) {}
   // Must change at the same point of the decision stream on every rank (see tunables.h).
   void set_chunk_bytes(int64_t chunk_bytes) { chunk_bytes_ = chunk_bytes; }
 
@@ -45,7 +43,6 @@ class Collectives {
  private:
   const MpiContext* mpi_;
   int64_t chunk_bytes_;
-  int64_t yield_bytes_;
 };
 
 }  // namespace tfmpi

@@ -11,7 +11,6 @@
 #include "logging.h"
 #include "outbox.h"
 #include "response_cache.h"
-#include "wait_policy.h"
 #include "wire.h"
 
 namespace tfmpi {
@@ -127,8 +126,6 @@ Status Engine::Init(const InitOptions& opts) {
     stop_requested_ = false;
     stop_reason_.clear();
   }
-  if (config_.yield_bytes > 0 && !YieldWhileWaiting::Supported())
-    LogWarning("TF_MPI_YIELD_BYTES is set, but this MPI has no yield-when-idle switch (Open MPI has); it is ignored");
   // Asking the MPI needs no GPU and no CUDA library, so the transport is known
   // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);

@@ -50,7 +50,6 @@ EngineConfig EngineConfig::FromEnv() {
   c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
   c.inline_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_BYTES", 64 << 10));
   c.inline_wait_us = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_WAIT_US", 100));
-  c.yield_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_YIELD_BYTES", 0));
   const char* aware = std::getenv("TF_MPI_CUDA_AWARE");
   c.cuda_aware = aware && *aware ? aware : "auto";
   if (c.cuda_aware != "auto" && c.cuda_aware != "0" && c.cuda_aware != "1")
@@ -67,7 +66,7 @@ std::string EngineConfig::ToString() const {
   os << tunables.ToString() << " autotune="
      << (autotune == AutotuneScope::kAll ? "1" : autotune == AutotuneScope::kPlan ? "plan" : "0") << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
-     << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us << " yield_bytes=" << yield_bytes
+     << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us
      << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes;
   return os.str();
 }

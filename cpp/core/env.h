@@ -26,7 +26,6 @@ struct EngineConfig {
   int64_t poll_us;                 // TF_MPI_POLL_US: then poll at most this far apart
   int64_t inline_bytes;            // TF_MPI_INLINE_BYTES: a caller runs requests up to this size itself; 0: never
   int64_t inline_wait_us;          // TF_MPI_INLINE_WAIT_US: ... for at most this long without progress
-  int64_t yield_bytes;             // TF_MPI_YIELD_BYTES: MPI calls this big yield the CPU while waiting; 0: never
   std::string cuda_aware;          // TF_MPI_CUDA_AWARE: auto (ask the MPI), 1 (direct transport), 0 (staged)
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
   static EngineConfig FromEnv();

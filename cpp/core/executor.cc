@@ -278,6 +278,14 @@ int64_t RowBytes(const TensorMeta& t) {
   for (size_t d = 1; d < t.shape.size(); ++d) row *= t.shape[d];
   return row;
 }
+
+// `shape` with its first dimension replaced by the total of `rows`: the
+// output of a collective that stacks every rank's rows (allgather, alltoall).
+Shape RowsStacked(Shape shape, const std::vector<int64_t>& rows) {
+  shape[0] = 0;
+  for (int64_t r : rows) shape[0] += r;
+  return shape;
+}
 }  // namespace
 
 Status Executor::CheckLimits(const Work& w) const {
@@ -301,9 +309,7 @@ void Executor::RunAllgather(const Work& w) {
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     const Shape& mine = m.tensors[t].shape;
     const std::vector<int64_t>& rows = w.response->dim0[t];
-    Shape out_shape = mine;
-    out_shape[0] = 0;
-    for (int64_t r : rows) out_shape[0] += r;
+    const Shape out_shape = RowsStacked(mine, rows);
     void* out = Allocate(dev, w.request, t, out_shape);
     const int64_t row_bytes = RowBytes(m.tensors[t]);
     void* in = Stage(dev, CudaDevice::kSendSlot, const_cast<void*>(w.request->inputs[t]), mine[0] * row_bytes, true);
@@ -320,9 +326,7 @@ void Executor::RunAlltoall(const Work& w) {
   const int me = mpi_->rank();
   std::vector<int64_t> recv(mpi_->size());
   for (int j = 0; j < mpi_->size(); ++j) recv[j] = w.response->splits[j][me];
-  Shape out_shape = m.tensors[0].shape;
-  out_shape[0] = 0;
-  for (int64_t r : recv) out_shape[0] += r;
+  const Shape out_shape = RowsStacked(m.tensors[0].shape, recv);
   void* out = Allocate(dev, w.request, 0, out_shape);
   auto* received = static_cast<int64_t*>(w.request->allocate(1, Shape{static_cast<int64_t>(recv.size())}));
   std::copy(recv.begin(), recv.end(), received);  // host memory on every device

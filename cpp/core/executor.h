@@ -44,7 +44,7 @@ class Executor {
  public:
   Executor(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu, ExecutorStats* stats,
            Timeline* timeline)
-      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes, config.yield_bytes),
+      : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes),
         gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
         managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
         stats_(stats), timeline_(timeline) {}

@@ -27,12 +27,17 @@ Status UnknownFirstDim(InferenceContext* c) {
 }
 }  // namespace
 
+// The attributes every reducing collective shares (ReduceOp, the scale
+// factors fused into the reduction, the name ranks negotiate by).
+#define TFMPI_REDUCTION_ATTRS                   \
+  .Attr("reduce_op: int")                       \
+      .Attr("prescale_factor: float = 1.0")     \
+      .Attr("postscale_factor: float = 1.0")    \
+      .Attr("tensor_name: string = ''")
+
 REGISTER_OP("TfMpiAllreduce")
     .Attr("T: " TFMPI_REDUCE_TYPES)
-    .Attr("reduce_op: int")
-    .Attr("prescale_factor: float = 1.0")
-    .Attr("postscale_factor: float = 1.0")
-    .Attr("tensor_name: string = ''")
+    TFMPI_REDUCTION_ATTRS
     .Input("tensor: T")
     .Output("output: T")
     .SetIsStateful()
@@ -40,10 +45,7 @@ REGISTER_OP("TfMpiAllreduce")
 
 REGISTER_OP("TfMpiGroupedAllreduce")
     .Attr("T: list(" TFMPI_REDUCE_TYPES ")")
-    .Attr("reduce_op: int")
-    .Attr("prescale_factor: float = 1.0")
-    .Attr("postscale_factor: float = 1.0")
-    .Attr("tensor_name: string = ''")
+    TFMPI_REDUCTION_ATTRS
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()
@@ -84,10 +86,7 @@ REGISTER_OP("TfMpiAlltoall")
 
 REGISTER_OP("TfMpiReducescatter")
     .Attr("T: list(" TFMPI_REDUCE_TYPES ")")
-    .Attr("reduce_op: int")
-    .Attr("prescale_factor: float = 1.0")
-    .Attr("postscale_factor: float = 1.0")
-    .Attr("tensor_name: string = ''")
+    TFMPI_REDUCTION_ATTRS
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()

@@ -114,6 +114,30 @@ def run_example(script, args, np=2, timeout=300, cwd=None):
     return run
 
 
+def assert_resumed_example(run, workdir, learning_rate, checkpoint_files):
+    """Checks an example launch that resumed from `workdir`/ckpt after one saved epoch.
+
+    It must start at the saved epoch and run one more, report identical
+    weights and optimizer state on every rank, continue the learning-rate
+    schedule (the step count came back with the checkpoint: `learning_rate`
+    is the expected rate, not the restarted one), record two epochs in
+    state.json next to exactly `checkpoint_files`, and write its plot.
+    """
+    import pytest
+    run.assert_ok()
+    r = run.result
+    assert r["initial_epoch"] == 1 and r["epochs_run"] == 1, r   # Keras epoch index 1 = the 2nd epoch
+    assert "resuming from" in run.output
+    assert r["weights_identical"] and r["optimizer_state_identical"], r
+    assert r["learning_rate"] == pytest.approx(learning_rate, rel=1e-5), r
+    with open(os.path.join(workdir, "ckpt", "state.json")) as f:
+        state = json.load(f)
+    assert state["epoch"] == 2 and len(state["history"]) == 2, state
+    assert sorted(os.listdir(os.path.join(workdir, "ckpt"))) == sorted(checkpoint_files)
+    with open(os.path.join(workdir, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def check_names(worker):
     """Names of the check_* functions a worker defines (read without importing it)."""
     with open(os.path.join(WORKERS, worker)) as f:

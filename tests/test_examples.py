@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from mpi_harness import launch_env, run_bounded, run_example
+from mpi_harness import assert_resumed_example, launch_env, run_bounded, run_example
 
 
 # 1500 reviews x 50 words per rank, 30 steps per epoch; the learning-rate
@@ -81,19 +81,8 @@ def test_first_run_trains_and_checkpoints(first_run, workdir):
 
 
 def test_resume_starts_at_saved_epoch_with_identical_replicas(resumed_run, workdir):
-    resumed_run.assert_ok()
-    r = resumed_run.result
-    assert r["initial_epoch"] == 1 and r["epochs_run"] == 1, r   # Keras epoch index 1 = the 2nd epoch
-    assert "resuming from" in resumed_run.output
-    assert r["weights_identical"] and r["optimizer_state_identical"], r
-    # The optimizer's step count came back with the checkpoint: the schedule
-    # is at epoch 2's rate, not restarted.
-    assert r["learning_rate"] == pytest.approx(expected_lr(2 * STEPS_PER_EPOCH), rel=1e-5), r
-    state = _state(workdir)
-    assert state["epoch"] == 2 and len(state["history"]) == 2, state
-    assert sorted(os.listdir(workdir / "ckpt")) == ["model-epoch002.keras", "state.json"]
-    with open(workdir / "curves.png", "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert_resumed_example(resumed_run, workdir, expected_lr(2 * STEPS_PER_EPOCH),
+                           ["model-epoch002.keras", "state.json"])
 
 
 def test_float32_accuracy(resumed_run):

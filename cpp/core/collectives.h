@@ -18,8 +18,11 @@ namespace tfmpi {
 
 class Collectives {
  public:
+  // Over the engine's communicator.
   Collectives(const MpiContext* mpi, int64_t chunk_bytes, int64_t yield_bytes)
-      : mpi_(mpi), chunk_bytes_(chunk_bytes), yield_bytes_(yield_bytes) {}
+      : Collectives(mpi, mpi->comm(), chunk_bytes, yield_bytes) {}
+  // Over `comm`, one of the engine's communicators (e.g. mpi->node_comm()).
+  Collectives(const MpiContext* mpi, MPI_Comm comm, int64_t chunk_bytes, int64_t yield_bytes);
   // Must change at the same point of the decision stream on every rank (see tunables.h).
   void set_chunk_bytes(int64_t chunk_bytes) { chunk_bytes_ = chunk_bytes; }
 
@@ -43,7 +46,9 @@ class Collectives {
                      ReduceOp op) const;
 
  private:
-  const MpiContext* mpi_;
+  const MpiContext* mpi_;  // datatypes and ops
+  MPI_Comm comm_;
+  int rank_;  // in comm_
   int64_t chunk_bytes_;
   int64_t yield_bytes_;
 };

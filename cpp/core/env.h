@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "hierarchical_model.h"
 #include "tunables.h"
 
 namespace tfmpi {
@@ -29,6 +30,7 @@ struct EngineConfig {
   int64_t yield_bytes;             // TF_MPI_YIELD_BYTES: MPI calls this big yield the CPU while waiting; 0: never
   std::string cuda_aware;          // TF_MPI_CUDA_AWARE: auto (ask the MPI), 1 (direct transport), 0 (staged)
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
+  HierarchicalSettings hierarchical;  // TF_MPI_HIERARCHICAL and its model (hierarchical_model.h)
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

@@ -234,6 +234,31 @@ def check_forced_on_without_several_nodes_is_a_logged_no_op():
         assert d["hierarchical_allreduces"] == 0 and np.array_equal(y, np.full(5000, N, np.float32)), d
 
 
+def check_timeline_shows_the_three_phases():
+    reinit(TF_MPI_TOPOLOGY=TOPOLOGIES[0], TF_MPI_HIERARCHICAL=1)
+    path = os.path.join(os.environ["TF_MPI_TEST_OUT"], "hierarchical_trace.json")
+    _core.start_timeline(path)  # rank 0 writes it
+    _core.allreduce(np.ones(1000, np.float32), SUM, "traced.hierarchical")
+    _core.stop_timeline()
+    _core.allreduce(np.ones(1, np.float32), SUM, name("after.trace"))  # rank 0 has written the file
+    if WORLD_RANK != 0:
+        return
+    import json
+    with open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("ph") == "X" and tracks.get(e["tid"]) == "traced.hierarchical"]
+    names = [n for n, _, _ in spans]
+    phases = ["MPI_NODE_REDUCESCATTER", "MPI_CROSS_ALLREDUCE", "MPI_NODE_ALLGATHER"]
+    assert [n for n in names if n in phases] == phases, names
+    outer = [(s, e) for n, s, e in spans if n == "MPI_ALLREDUCE"]
+    assert len(outer) == 1, names
+    slack = 0.002  # microseconds: ts and dur are printed with 3 decimals
+    assert all(outer[0][0] - slack <= s and e <= outer[0][1] + slack for n, s, e in spans if n in phases), spans
+
+
 def expect_init_error(settings, *fragments):
     try:
         reinit(**settings)

@@ -15,6 +15,11 @@ int64_t RowsBytes(const std::vector<int64_t>& rows, int64_t row_bytes) {
 }
 }  // namespace
 
+Collectives::Collectives(const MpiContext* mpi, MPI_Comm comm, int64_t chunk_bytes)
+    : mpi_(mpi), comm_(comm), rank_(0), chunk_bytes_(chunk_bytes) {
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_rank(comm_, &rank_);
+}
+
 void Collectives::Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) const {
   const int64_t elem = DataTypeSize(dtype);
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_ / elem, INT_MAX));
@@ -26,7 +31,7 @@ void Collectives::Allreduce(const void* in, void* out, int64_t count, DataType d
   for (int64_t done = 0; done < count; done += per_call) {
     const int n = static_cast<int>(std::min(per_call, count - done));
     const void* src = in_place ? MPI_IN_PLACE : static_cast<const void*>(i + done * elem);
-    MPI_Allreduce(src, o + done * elem, n, type, mpi_op, mpi_->comm());
+    MPI_Allreduce(src, o + done * elem, n, type, mpi_op, comm_);
   }
 }
 
@@ -84,7 +89,7 @@ void Collectives::Allgather(const void* in, void* out, const std::vector<int64_t
     displs[r] = static_cast<int>(offset);
     offset += rows_per_rank[r];
   }
-  MPI_Allgatherv(in, counts[mpi_->rank()], row, out, counts.data(), displs.data(), row, mpi_->comm());
+  MPI_Allgatherv(in, counts[rank_], row, out, counts.data(), displs.data(), row, comm_);
   MPI_Type_free(&row);
 }
 
@@ -108,7 +113,7 @@ void Collectives::Alltoall(const void* in, void* out, const std::vector<int64_t>
   MPI_Type_commit(&row);
   std::vector<int> sc = ToInts(send_rows), rc = ToInts(recv_rows);
   std::vector<int> sd = ToInts(Offsets(send_rows)), rd = ToInts(Offsets(recv_rows));
-  MPI_Alltoallv(in, sc.data(), sd.data(), row, out, rc.data(), rd.data(), row, mpi_->comm());
+  MPI_Alltoallv(in, sc.data(), sd.data(), row, out, rc.data(), rd.data(), row, comm_);
   MPI_Type_free(&row);
 }
 
@@ -123,7 +128,7 @@ void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_ / elem, INT_MAX));
   if (total <= per_call) {  // one call, as MPI lays the input out
     std::vector<int> counts(recv_counts.begin(), recv_counts.end());
-    MPI_Reduce_scatter(in, out, counts.data(), type, mpi_op, mpi_->comm());
+    MPI_Reduce_scatter(in, out, counts.data(), type, mpi_op, comm_);
     return;
   }
   // Larger: block r is reduced onto rank r in slices of at most per_call
@@ -132,13 +137,13 @@ void Collectives::ReduceScatter(const void* in, void* out, const std::vector<int
   // MPI_Reduce_scatter call, as for allreduce's chunks.
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  const int me = mpi_->rank();
+  const int me = rank_;
   int64_t offset = 0;
   for (int r = 0; r < n; ++r) {
     for (int64_t done = 0; done < recv_counts[r]; done += per_call) {
       const int c = static_cast<int>(std::min(per_call, recv_counts[r] - done));
       MPI_Reduce(src + (offset + done) * elem, r == me ? dst + done * elem : nullptr, c, type, mpi_op, r,
-                 mpi_->comm());
+                 comm_);
     }
     offset += recv_counts[r];
   }
@@ -149,7 +154,7 @@ void Collectives::Broadcast(void* buf, int64_t bytes, int root) const {
   const int64_t per_call = std::max<int64_t>(1, std::min<int64_t>(chunk_bytes_, INT_MAX));
   for (int64_t done = 0; done < bytes; done += per_call) {
     const int n = static_cast<int>(std::min(per_call, bytes - done));
-    MPI_Bcast(p + done, n, MPI_BYTE, root, mpi_->comm());
+    MPI_Bcast(p + done, n, MPI_BYTE, root, comm_);
   }
 }
 

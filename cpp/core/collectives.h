@@ -17,7 +17,11 @@ namespace tfmpi {
 
 class Collectives {
  public:
-  Collectives(const MpiContext* mpi, int64_t chunk_bytes) : mpi_(mpi), chunk_bytes_(chunk_bytes) {}
+  // Over the engine's communicator.
+  Collectives(const MpiContext* mpi, int64_t chunk_bytes)
+      : Collectives(mpi, mpi->comm(), chunk_bytes) {}
+  // Over `comm`, one of the engine's communicators (e.g. mpi->node_comm()).
+  Collectives(const MpiContext* mpi, MPI_Comm comm, int64_t chunk_bytes);
   // Must change at the same point of the decision stream on every rank (see tunables.h).
   void set_chunk_bytes(int64_t chunk_bytes) { chunk_bytes_ = chunk_bytes; }
 
@@ -41,7 +45,9 @@ class Collectives {
                      ReduceOp op) const;
 
  private:
-  const MpiContext* mpi_;
+  const MpiContext* mpi_;  // datatypes and ops
+  MPI_Comm comm_;
+  int rank_;  // in comm_
   int64_t chunk_bytes_;
 };
 

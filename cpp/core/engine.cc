@@ -63,9 +63,9 @@ int64_t RequestBytes(const Request& r) {
 }  // namespace
 
 struct Engine::Protocol {
-  Protocol(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu, ExecutorStats* stats,
-           Timeline* timeline)
-      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, gpu, stats, timeline) {
+  Protocol(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu,
+           const HierarchicalChoice& hierarchical, ExecutorStats* stats, Timeline* timeline)
+      : cache(static_cast<size_t>(config.cache_capacity)), executor(mpi, config, gpu, hierarchical, stats, timeline) {
     if (mpi->rank() == 0)
       coord = std::make_unique<Coordinator>(mpi->size(), &cache, config.stall_check_s, config.stall_shutdown_s, timeline);
     if (mpi->rank() == 0 && config.autotune != AutotuneScope::kOff)
@@ -121,6 +121,16 @@ Status Engine::Init(const InitOptions& opts) {
   Status s = mpi_.Init(opts);
   if (!s.ok()) return s;
   SetLogRank(mpi_.rank());
+  hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
+  if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {
+    mpi_.Release();
+    return s;
+  }
+  if (mpi_.rank() == 0) {
+    // Said once where it matters: more than one node, or forced on.
+    if (hierarchical_.mode == HierarchicalMode::kOn && !hierarchical_.usable) LogWarning(hierarchical_.summary);
+    else if (mpi_.cross_size() > 1 && hierarchical_.mode != HierarchicalMode::kOff) LogInfo(hierarchical_.summary);
+  }
   {
     StateLock lock(mu_);
     stop_requested_ = false;
@@ -129,7 +139,7 @@ Status Engine::Init(const InitOptions& opts) {
   // Asking the MPI needs no GPU and no CUDA library, so the transport is known
   // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
-  protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, &stats_, &timeline_);
+  protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, hierarchical_, &stats_, &timeline_);
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {
     s = StartTimeline(path);

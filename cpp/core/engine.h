@@ -35,6 +35,7 @@
 #include "autotune.h"
 #include "executor.h"
 #include "gpu_transport.h"
+#include "hierarchical.h"
 #include "mpi_context.h"
 #include "request.h"
 #include "timeline.h"
@@ -71,6 +72,8 @@ class Engine {
   const ExecutorStats& stats() const { return stats_; }
   // How GPU tensors reach MPI in this process (chosen at Init; gpu_transport.h).
   const GpuTransportChoice& gpu_transport() const { return gpu_choice_; }
+  // Where allreduces use the hierarchical scheme (chosen at Init; hierarchical.h).
+  const HierarchicalChoice& hierarchical() const { return hierarchical_; }
 
   // Rank 0 writes the timeline; on other ranks these do nothing.
   Status StartTimeline(const std::string& path);
@@ -115,6 +118,7 @@ class Engine {
   EngineConfig config_{};
   std::atomic<bool> initialized_{false};
   GpuTransportChoice gpu_choice_;
+  HierarchicalChoice hierarchical_;
   mutable std::atomic<int> gpu_device_{-1};  // the GPU of this rank's first GPU request
   std::thread thread_;
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "hierarchical_model.h"
 #include "tunables.h"
 
 namespace tfmpi {
@@ -28,6 +29,7 @@ struct EngineConfig {
   int64_t inline_wait_us;          // TF_MPI_INLINE_WAIT_US: ... for at most this long without progress
   std::string cuda_aware;          // TF_MPI_CUDA_AWARE: auto (ask the MPI), 1 (direct transport), 0 (staged)
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
+  HierarchicalSettings hierarchical;  // TF_MPI_HIERARCHICAL and its model (hierarchical_model.h)
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

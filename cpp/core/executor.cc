@@ -91,9 +91,24 @@ void Executor::Unstage(Device& dev, void* ptr, void* view, int64_t bytes) {
   stats_->gpu_staged_bytes += c.staged_bytes;
 }
 
-void Executor::ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op) {
+void Executor::HostAllreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
+                             const std::vector<const Request*>& members, const std::string& args) {
+  const int64_t bytes = count * static_cast<int64_t>(DataTypeSize(dtype));
+  if (!hierarchical_.Chooses(bytes)) {
+    collectives_.Allreduce(in, out, count, dtype, op);
+    return;
+  }
+  ++stats_->hierarchical_allreduces;
+  stats_->hierarchical_bytes += bytes;
+  hierarchical_.Allreduce(in, out, count, dtype, op, [&](const char* phase, TClock::time_point start) {
+    Phase(timeline_, members, phase, start, args);
+  });
+}
+
+void Executor::ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op,
+                             const std::vector<const Request*>& members, const std::string& args) {
   if (dev.is_host()) {
-    collectives_.Allreduce(nullptr, buf, count, dtype, op);
+    HostAllreduce(nullptr, buf, count, dtype, op, members, args);
     return;
   }
   GpuCounters c;
@@ -136,6 +151,7 @@ bool Executor::Run(const std::vector<Decision>& decisions, InFlight* in_flight, 
     } else if (d.kind == Decision::Kind::kSettings) {
       tunables_ = d.tunables;
       collectives_.set_chunk_bytes(tunables_.chunk_bytes);
+      hierarchical_.set_chunk_bytes(tunables_.chunk_bytes);
     }
   }
 
@@ -236,10 +252,10 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       const void* in = first.req->inputs[first.t];
       void* out = first.req->outputs[first.t];
       if (dev.is_host() && m.prescale == 1.0) {
-        collectives_.Allreduce(in, out, first.count, dtype, op);  // MPI copies `in` itself
+        HostAllreduce(in, out, first.count, dtype, op, members, args);  // MPI copies `in` itself
       } else {
         if (m.prescale != 1.0 || in != out) dev.ScaleCopy({{out, in, first.count, m.prescale}}, dtype);
-        ReduceInPlace(dev, out, first.count, dtype, op);
+        ReduceInPlace(dev, out, first.count, dtype, op, members, args);
       }
       const double post = PostScale(m, first.contributors);
       if (post != 1.0) dev.ScaleCopy({{out, out, first.count, post}}, dtype);
@@ -259,7 +275,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     if (buf) dev.ScaleCopy(copies, dtype);
     Phase(timeline_, members, "MEMCPY_IN_FUSION_BUFFER", t0, args);
     t0 = TClock::now();
-    ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op);
+    ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op, members, args);
     Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
     t0 = TClock::now();
     for (size_t c = 0; c < b.items.size(); ++c) {

@@ -15,6 +15,7 @@
 #include "device.h"
 #include "env.h"
 #include "gpu_transport.h"
+#include "hierarchical.h"
 #include "request.h"
 #include "response_cache.h"
 #include "timeline.h"
@@ -38,13 +39,17 @@ struct ExecutorStats {
   std::atomic<int64_t> gpu_requests{0}, gpu_staged_bytes{0}, gpu_direct_bytes{0};
   std::atomic<int64_t> inline_batches{0}, inline_max_batch_bytes{0}, deferred_batches{0};
   std::atomic<int64_t> callbacks_under_lock{0}, undelivered_messages{0}, undelivered_bytes{0};
+  // Host allreduces (buffers: fused or direct) run by the hierarchical
+  // scheme (hierarchical.h), and their bytes.
+  std::atomic<int64_t> hierarchical_allreduces{0}, hierarchical_bytes{0};
 };
 
 class Executor {
  public:
-  Executor(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu, ExecutorStats* stats,
-           Timeline* timeline)
+  Executor(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu,
+           const HierarchicalChoice& hierarchical, ExecutorStats* stats, Timeline* timeline)
       : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes),
+        hierarchical_(mpi, hierarchical, config.tunables.chunk_bytes),
         gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
         managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
         stats_(stats), timeline_(timeline) {}
@@ -81,13 +86,20 @@ class Executor {
   // the identity on the host.
   void* Stage(Device& dev, int slot, void* ptr, int64_t bytes, bool copy_in);
   void Unstage(Device& dev, void* ptr, void* view, int64_t bytes);
-  // Reduces `buf` in place on `dev`.
-  void ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op);
+  // Reduces `buf` in place on `dev`; `members` and `args` as for HostAllreduce.
+  void ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op,
+                     const std::vector<const Request*>& members, const std::string& args);
+  // Allreduce of host memory (in == nullptr: in place): the one place that
+  // picks flat or hierarchical (hierarchical.h) by the buffer's size, alike on
+  // every rank. The hierarchical phases go on `members`' timeline tracks.
+  void HostAllreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
+                     const std::vector<const Request*>& members, const std::string& args);
   // Waits for `dev`, and fails `reqs` with its error if it had one.
   void Settle(Device& dev, const std::vector<Request*>& reqs);
 
   const MpiContext* mpi_;
   Collectives collectives_;
+  HierarchicalAllreduce hierarchical_;
   GpuCollectives gpu_;
   // The direct transport was forced on an MPI that does not report CUDA
   // support: the engine's own GPU buffers are then managed (CPU-accessible)

@@ -1,6 +1,7 @@
 #include "mpi_context.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "dispatch.h"
@@ -32,6 +33,19 @@ void CreateHalfOps(MPI_Op* ops) {
   MPI_Op_create(&HalfReduce<H, MinF>, 1, &ops[static_cast<int>(ReduceOp::kMin)]);
   MPI_Op_create(&HalfReduce<H, MaxF>, 1, &ops[static_cast<int>(ReduceOp::kMax)]);
   MPI_Op_create(&HalfReduce<H, ProdF>, 1, &ops[static_cast<int>(ReduceOp::kProduct)]);
+}
+
+// "NODESxRANKS" with both positive, e.g. "2x2".
+bool ParseTopology(const std::string& spec, int64_t* nodes, int64_t* per_node) {
+  const size_t x = spec.find_first_of("xX");
+  if (x == std::string::npos || x == 0 || x + 1 == spec.size()) return false;
+  const std::string a = spec.substr(0, x), b = spec.substr(x + 1);
+  if (a.find_first_not_of("0123456789") != std::string::npos || b.find_first_not_of("0123456789") != std::string::npos ||
+      a.size() > 9 || b.size() > 9)
+    return false;
+  *nodes = std::stoll(a);
+  *per_node = std::stoll(b);
+  return *nodes > 0 && *per_node > 0;
 }
 
 std::string MpiError(const char* what, int code) {
@@ -120,21 +134,58 @@ Status MpiContext::Init(const InitOptions& opts) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
 
-  // local = ranks sharing this node's memory; cross = same local rank on each node.
-  MPI_Comm local, cross;
-  MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
-  MPI_Comm_rank(local, &local_rank_);
-  MPI_Comm_size(local, &local_size_);
-  MPI_Comm_split(comm_, local_rank_, rank_, &cross);
-  MPI_Comm_rank(cross, &cross_rank_);
-  MPI_Comm_size(cross, &cross_size_);
-  MPI_Comm_free(&local);
-  MPI_Comm_free(&cross);
+  if (Status t = SplitTopology(); !t.ok()) {
+    Release();  // retires comm_; nothing else exists yet
+    return t;
+  }
 
   MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
   MPI_Type_commit(&half_type_);
   CreateHalfOps<Float16>(half_ops_[0]);
   CreateHalfOps<BFloat16>(half_ops_[1]);
+  return Status::OK();
+}
+
+Status MpiContext::SplitTopology() {
+  const char* env = std::getenv("TF_MPI_TOPOLOGY");
+  const std::string spec = env ? env : "";
+  int64_t nodes = 0, per_node = 0;
+  std::string problem;  // what is wrong with this rank's own setting
+  if (!spec.empty()) {
+    if (!ParseTopology(spec, &nodes, &per_node))
+      problem = "tf_mpi: TF_MPI_TOPOLOGY='" + spec + "' is not NODESxRANKS (e.g. 2x2: ranks 0-1 are node 0, ranks "
+                "2-3 node 1)";
+    else if (nodes * per_node != size_)
+      problem = "tf_mpi: TF_MPI_TOPOLOGY=" + spec + " describes " + std::to_string(nodes * per_node) + " ranks (" +
+                std::to_string(nodes) + " nodes x " + std::to_string(per_node) + " ranks per node), but this job has " +
+                std::to_string(size_) + " ranks; NODES x RANKS must equal the number of ranks";
+  }
+  // Every rank must take the same branch below (the splits are collective):
+  // one allreduce tells each rank whether all ranks have a valid setting, and the same one.
+  const int bad = problem.empty() ? 0 : 1, set = spec.empty() ? 0 : 1;
+  int64_t mine[7] = {bad, set, -set, nodes, -nodes, per_node, -per_node}, all[7];
+  MPI_Allreduce(mine, all, 7, MPI_INT64_T, MPI_MAX, comm_);
+  if (!problem.empty()) return Status::Invalid(problem);
+  if (all[0] || all[1] != -all[2] || all[3] != -all[4] || all[5] != -all[6])
+    return Status::Invalid("tf_mpi: TF_MPI_TOPOLOGY is invalid on another rank or differs between ranks (this rank "
+                           "has '" + spec + "'); set the same valid value on every rank (mpirun -x TF_MPI_TOPOLOGY)");
+
+  if (set) {
+    // Pretend nodes: consecutive blocks of per_node ranks.
+    MPI_Comm_split(comm_, static_cast<int>(rank_ / per_node), rank_, &node_comm_);
+    topology_source_ = "TF_MPI_TOPOLOGY=" + spec;
+  } else {
+    MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_comm_);
+    topology_source_ = "shared memory";
+  }
+  MPI_Comm_rank(node_comm_, &local_rank_);
+  MPI_Comm_size(node_comm_, &local_size_);
+  MPI_Comm_split(comm_, local_rank_, rank_, &cross_comm_);
+  MPI_Comm_rank(cross_comm_, &cross_rank_);
+  MPI_Comm_size(cross_comm_, &cross_size_);
+  int sizes[2] = {local_size_, -local_size_}, extremes[2];
+  MPI_Allreduce(sizes, extremes, 2, MPI_INT, MPI_MAX, comm_);
+  homogeneous_ = extremes[0] == -extremes[1];
   return Status::OK();
 }
 
@@ -153,6 +204,14 @@ void MpiContext::Release() {
     static auto* kept = new std::vector<MPI_Comm>();
     kept->push_back(comm_);
     comm_ = MPI_COMM_NULL;
+  }
+  // The node and cross communicators are kept likewise, so that no later
+  // init() is given their context either.
+  for (MPI_Comm* c : {&node_comm_, &cross_comm_}) {
+    if (*c == MPI_COMM_NULL) continue;
+    static auto* kept_split = new std::vector<MPI_Comm>();
+    kept_split->push_back(*c);
+    *c = MPI_COMM_NULL;
   }
   if (half_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&half_type_);
   for (auto& row : half_ops_)

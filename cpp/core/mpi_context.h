@@ -2,10 +2,18 @@
 // mpi4py), the engine's private communicators, and the mapping of our
 // DataType/ReduceOp onto MPI datatypes and ops (with custom ops for 16-bit
 // floats, which MPI cannot add natively).
+//
+// Topology: the ranks sharing a node form the node communicator
+// (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); the ranks with the same local
+// rank on every node form the cross communicator. TF_MPI_TOPOLOGY=NODESxRANKS
+// (e.g. 2x2) replaces the real nodes by pretend ones: ranks 0..RANKS-1 are
+// node 0, the next RANKS node 1, and so on (NODES*RANKS must be the job's
+// size), so node-aware code paths can run on one machine.
 #pragma once
 
 #include <mpi.h>
 
+#include <string>
 #include <vector>
 
 #include "types.h"
@@ -37,13 +45,26 @@ class MpiContext {
   int local_size() const { return local_size_; }
   int cross_rank() const { return cross_rank_; }
   int cross_size() const { return cross_size_; }
+  // Ranks of this node / ranks with this local rank on every node (collectives only).
+  MPI_Comm node_comm() const { return node_comm_; }
+  MPI_Comm cross_comm() const { return cross_comm_; }
+  // Every node has the same number of ranks (agreed by all ranks at init).
+  bool homogeneous() const { return homogeneous_; }
+  // Where the topology came from: "TF_MPI_TOPOLOGY=2x2" or "shared memory".
+  const std::string& topology_source() const { return topology_source_; }
 
   MPI_Datatype Type(DataType t) const;
   // Average is reduced as a sum; the executor divides afterwards.
   MPI_Op Op(ReduceOp op, DataType t) const;
 
  private:
+  // Splits comm_ into node_comm_ and cross_comm_ (collective over comm_).
+  Status SplitTopology();
+
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm node_comm_ = MPI_COMM_NULL, cross_comm_ = MPI_COMM_NULL;
+  bool homogeneous_ = true;
+  std::string topology_source_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;
   // [0] float16, [1] bfloat16; each indexed by ReduceOp (Sum, Min, Max, Product).

@@ -6,6 +6,8 @@
 //   MEMCPY_IN_FUSION_BUFFER / MPI_ALLREDUCE / MEMCPY_OUT_FUSION_BUFFER
 //               the fused bucket's phases, on every member's track, with the
 //               bucket id and its member count in args (so fusion is visible)
+//   MPI_NODE_REDUCESCATTER / MPI_CROSS_ALLREDUCE / MPI_NODE_ALLGATHER
+//               inside MPI_ALLREDUCE when the buffer went hierarchical (hierarchical.h)
 //   MPI_ALLGATHER, MPI_BROADCAST, ... for the other collectives
 // The file is a complete JSON document after Stop() (also called at shutdown).
 #pragma once

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <future>
+#include <limits>
 #include <memory>
 
 #include "../core/cuda_device.h"
@@ -368,13 +369,41 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("deferred_batches") = s.deferred_batches.load(),
                     py::arg("callbacks_under_lock") = s.callbacks_under_lock.load(),
                     py::arg("undelivered_messages") = s.undelivered_messages.load(),
-                    py::arg("undelivered_bytes") = s.undelivered_bytes.load());
+                    py::arg("undelivered_bytes") = s.undelivered_bytes.load(),
+                    // hierarchical allreduce (hierarchical.h)
+                    py::arg("hierarchical_allreduces") = s.hierarchical_allreduces.load(),
+                    py::arg("hierarchical_bytes") = s.hierarchical_bytes.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
      "batches a caller's thread executed inline (and the largest, in bytes), batches it left to the engine\n"
      "thread, completion callbacks run under an engine lock (a bug if not 0), and protocol messages (and\n"
-     "bytes) that never reached their peer at shutdown.");
+     "bytes) that never reached their peer at shutdown; allreduce buffers (and bytes) reduced hierarchically.");
+  m.def("hierarchical", [] {
+    Ctx();
+    const HierarchicalChoice& c = E().hierarchical();
+    const int64_t any = std::numeric_limits<int64_t>::max();
+    return py::dict(py::arg("mode") = HierarchicalModeName(c.mode), py::arg("usable") = c.usable,
+                    py::arg("min_bytes") = c.window.min_bytes,
+                    py::arg("max_bytes") = c.window.max_bytes == any ? py::object(py::none())
+                                                                     : py::object(py::int_(c.window.max_bytes)),
+                    py::arg("homogeneous") = Ctx().homogeneous(), py::arg("summary") = c.summary);
+  }, "Where allreduces of host memory use the hierarchical scheme (TF_MPI_HIERARCHICAL): the mode, whether the\n"
+     "topology allows it, the buffer sizes [min_bytes, max_bytes) that use it (max_bytes None: no upper end;\n"
+     "min == max: none), whether all nodes have the same number of ranks, and a one-line summary.");
+  m.def("hierarchical_model", [](double bytes, int nodes, int ranks_per_node) {
+    const HierarchicalSettings s = HierarchicalSettings::FromEnv();
+    const SizeWindow w = HierarchicalWindow(nodes, ranks_per_node, s.intra, s.inter);
+    const int64_t any = std::numeric_limits<int64_t>::max();
+    return py::dict(
+        py::arg("flat_s") = FlatAllreduceSeconds(bytes, nodes, ranks_per_node, s.intra, s.inter),
+        py::arg("hierarchical_s") = HierarchicalAllreduceSeconds(bytes, nodes, ranks_per_node, s.intra, s.inter),
+        py::arg("auto_min_bytes") = w.min_bytes,
+        py::arg("auto_max_bytes") = w.max_bytes == any ? py::object(py::none()) : py::object(py::int_(w.max_bytes)));
+  }, py::arg("bytes"), py::arg("nodes"), py::arg("ranks_per_node"),
+     "The alpha-beta model behind TF_MPI_HIERARCHICAL=auto (links from TF_MPI_INTRA_NODE_LINK and\n"
+     "TF_MPI_INTER_NODE_LINK, or their defaults): modelled seconds of one allreduce of `bytes`, flat and\n"
+     "hierarchical, on nodes x ranks_per_node ranks, and the sizes auto would use there. Needs no init().");
   py::class_<DeviceArray, std::shared_ptr<DeviceArray>>(
       m, "DeviceArray",
       "GPU memory holding a collective's result; use it through __cuda_array_interface__, e.g. cupy.asarray(a).")

@@ -19,9 +19,12 @@ cores" (``Cluster.cores_per_node`` = this machine's cores: with more ranks than 
 computation and the CPU work of communication are slowed by ranks / cores). Only the
 second is meant for np > cores; where the two agree, the machine has a core per rank.
 
-Measurements are medians over samples of the slowest rank (allreduces) or over timed
-windows (training); [p25-p75] is their spread. On a machine shared with other work every
-figure moves with the load: run it on a quiet machine for the model's own error.
+Every launch runs --rounds times, round by round, each round starting at another np. A
+launch's figure is the median over its samples of the slowest rank (allreduces) or over its
+timed windows (training); the table gives the median of the rounds' figures with the
+[lowest-highest] round, and the fastest sample of any round. The link comes from the median
+of the rounds' probes. On a machine shared with other work every figure moves with the load:
+run it on a quiet machine for the model's own error.
 """
 import argparse
 import json
@@ -120,7 +123,6 @@ def relative_error(predicted, measured):
 def predictions(measured, lstm, args):
     """[(case, np, predicted free cores, predicted shared cores, measured stats, unit)] and the link."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import numpy as np
     from tf_mpi import grouping, predict
     from training_bench.worker import init_tensorflow_one_thread
     init_tensorflow_one_thread(1)
@@ -131,8 +133,7 @@ def predictions(measured, lstm, args):
     cost_model = grouping.CostModel(probe["alpha"], probe["beta"], probe["overlap"])
     link = predict.link_from_probe(cost_model, base)
     storm_sizes = predict.Workload.from_json(os.path.join(HERE, "data", "resnet50_grad_shapes.json"), step_s=1.0).sizes
-    single = lstm["single"]
-    work = predict.Workload.from_keras_model(bench_models.build_lstm(), step_s=single["step_ms"] / 1e3)
+    work = predict.Workload.from_keras_model(bench_models.build_lstm(), step_s=lstm["single"]["median_s"])
     cores = os.cpu_count() or 1
     rows = []
     for p in args.nps:
@@ -145,21 +146,51 @@ def predictions(measured, lstm, args):
         rows.append(("ResNet-50 storm", p, predict.group_time(storm_sizes, free, False),
                      predict.group_time(storm_sizes, shared, False), measured[p]["storm"], "ms"))
         steps = [predict.predict_step(work, c, False, overlap=probe["overlap"]).step_s for c in (free, shared)]
-        per_step = [s / lstm[p]["steps"] for s in lstm[p]["window_seconds"]]
-        p25, p50, p75 = (float(x) for x in np.percentile(per_step, [25, 50, 75]))
-        stats = dict(median_s=p50, p25_s=p25, p75_s=p75, min_s=min(per_step), max_s=max(per_step))
-        rows.append(("LSTM training step", p, steps[0], steps[1], stats, "ms"))
+        rows.append(("LSTM training step", p, steps[0], steps[1], lstm[p], "ms"))
     return rows, link, work
+
+
+def step_stats(result):
+    """Per-step stats (seconds) of a training_bench RESULT: median, quartiles and extremes over its windows."""
+    import numpy as np
+    per_step = [s / result["steps"] for s in result["window_seconds"]]
+    p25, p50, p75 = (float(x) for x in np.percentile(per_step, [25, 50, 75]))
+    return dict(median_s=p50, p25_s=p25, p75_s=p75, min_s=min(per_step), max_s=max(per_step))
+
+
+def across_rounds(stats):
+    """One stats dict from one per round: the median of the rounds' medians, [p25-p75] becomes the
+    [lowest-highest] round median, min the fastest sample of any round."""
+    import statistics
+    medians = [s["median_s"] for s in stats]
+    return dict(median_s=statistics.median(medians), p25_s=min(medians), p75_s=max(medians),
+                min_s=min(s["min_s"] for s in stats), max_s=max(s["max_s"] for s in stats), rounds=len(stats))
+
+
+def combine_rounds(rounds, nps):
+    """(measured, lstm) over all rounds: probes by their median alpha, beta and overlap."""
+    import statistics
+    measured = {}
+    for p in nps:
+        runs = [r["measured"][p] for r in rounds]
+        measured[p] = dict(
+            probe={k: statistics.median(run["probe"][k] for run in runs) for k in ("alpha", "beta", "overlap")},
+            sizes={n: across_rounds([run["sizes"][n] for run in runs]) for n in runs[0]["sizes"]},
+            storm=across_rounds([run["storm"] for run in runs]))
+    lstm = {key: across_rounds([step_stats(r["lstm"][key]) for r in rounds]) for key in ["single", *nps]}
+    return measured, lstm
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help="(internal) the per-rank role")
     parser.add_argument("--nps", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--repeats", type=int, default=15, help="samples per allreduce size (storm: half)")
-    parser.add_argument("--lstm-warmup", type=int, default=3)
-    parser.add_argument("--lstm-steps", type=int, default=4)
-    parser.add_argument("--lstm-repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="every launch this many times, round by round, each round starting at another np")
+    parser.add_argument("--repeats", type=int, default=10, help="samples per allreduce size (storm: half)")
+    parser.add_argument("--lstm-warmup", type=int, default=2)
+    parser.add_argument("--lstm-steps", type=int, default=3)
+    parser.add_argument("--lstm-repeats", type=int, default=4)
     parser.add_argument("--json", default=None, help="write measurements and predictions to this file")
     args = parser.parse_args()
     if args.worker:
@@ -171,13 +202,17 @@ def main():
     print(f"tf_mpi.predict against measurements: {platform.node()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}", flush=True)
-    measured, lstm = {}, {}
-    for p in args.nps:
-        measured[p] = run_launch(mpirun(p, [os.path.abspath(__file__), "--worker", "--repeats", str(args.repeats)]),
-                                 f"np={p} probe + allreduces + storm")
-    lstm["single"] = run_launch([sys.executable] + lstm_args("single", args), "LSTM single process")
-    for p in args.nps:
-        lstm[p] = run_launch(mpirun(p, lstm_args("tfmpi", args)), f"LSTM tfmpi np={p}")
+    rounds = []
+    for r in range(args.rounds):
+        order = args.nps[r % len(args.nps):] + args.nps[:r % len(args.nps)]  # each round starts elsewhere
+        measured = {p: run_launch(mpirun(p, [os.path.abspath(__file__), "--worker", "--repeats", str(args.repeats)]),
+                                  f"round {r + 1}: np={p} probe + allreduces + storm") for p in order}
+        lstm = {"single": run_launch([sys.executable] + lstm_args("single", args),
+                                     f"round {r + 1}: LSTM single process")}
+        for p in order:
+            lstm[p] = run_launch(mpirun(p, lstm_args("tfmpi", args)), f"round {r + 1}: LSTM tfmpi np={p}")
+        rounds.append(dict(measured=measured, lstm=lstm))
+    measured, lstm = combine_rounds(rounds, args.nps)
     load_end = os.getloadavg()[0]
     rows, link, work = predictions(measured, lstm, args)
 
@@ -188,11 +223,12 @@ def main():
               f"({1 / probe['beta'] / 1e9:.2f} GB/s)   overlap {probe['overlap']:.2f}")
     print(f"link for the model (from np={min(args.nps)}'s probe): {link}")
     print(f"LSTM: {len(work.sizes)} gradients, {work.total_bytes / MiB:.2f} MiB; single-process step "
-          f"{lstm['single']['step_ms']:.1f} ms (measured, the model's input)")
-    print("\nerror = (predicted - measured) / measured, against the measured median and, since the probe keeps its\n"
-          "fastest samples, against the measured minimum")
+          f"{spread(lstm['single'], 1e3)} ms (measured, the model's input)")
+    print("\nmeasured: median of the rounds' medians [lowest-highest round], and the fastest sample of any round.\n"
+          "error = (predicted - measured) / measured, against the median and, since the probe keeps its fastest\n"
+          "samples, against the fastest")
     print(f"\n{'case':<20} {'np':>3} | {'pred. free cores':>16} {'error':>7} | {'pred. shared cores':>18} "
-          f"{'error':>7} {'vs min':>7} | {'measured median [p25-p75]':>27} {'min':>9}")
+          f"{'error':>7} {'vs min':>7} | {'measured median [rounds]':>27} {'min':>9}")
     for case, p, free, shared, stats, unit in rows:
         meas, fastest = stats["median_s"], stats["min_s"]
         print(f"{case:<20} {p:>3} | {free * 1e3:>13.3g} ms {relative_error(free, meas):>+7.0%} | "
@@ -203,8 +239,9 @@ def main():
           "shared with other work: figures move with it.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(measured={str(k): v for k, v in measured.items()},
-                           lstm={str(k): v for k, v in lstm.items()}, link=str(link),
+            json.dump(dict(rounds=[dict(measured={str(k): v for k, v in r["measured"].items()},
+                                        lstm={str(k): v for k, v in r["lstm"].items()}) for r in rounds],
+                           link=str(link),
                            rows=[dict(case=c, np=p, predicted_free_s=fr, predicted_shared_s=sh, measured=st)
                                  for c, p, fr, sh, st, _ in rows]), f, indent=2)
         print(f"wrote {args.json}")

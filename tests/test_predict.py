@@ -223,3 +223,15 @@ def test_cli_on_a_saved_keras_model(tmp_path):
     # 32x16 + 16 + 16x10 + 10 float32
     assert f"4 gradients, 0.0 MiB ({(32 * 16 + 16 + 160 + 10) * 4} B)" in done.stdout
     assert sum(1 for line in done.stdout.splitlines() if line.split()[:2] in (["1", "8"], ["4", "8"])) == 4
+
+
+def test_cli_on_a_gradient_list_needs_no_tensorflow(tmp_path):
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text(json.dumps([4 << 20, 1 << 20, 4096]))  # bytes, backprop order
+    code = ("import sys\nfrom tf_mpi import predict\n"
+            f"assert predict.main([{str(sizes)!r}, '--step-ms', '50', '--nodes', '1', '2']) == 0\n"
+            "assert 'tensorflow' not in sys.modules, 'tf_mpi.predict imported tensorflow'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.returncode == 0, done.stderr
+    assert "3 gradients, 5.0 MiB (5246976 B)" in done.stdout

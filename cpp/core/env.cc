@@ -59,6 +59,11 @@ EngineConfig EngineConfig::FromEnv() {
   // enough that the pipeline's fill and drain (one chunk each way) stay short.
   c.gpu_chunk_bytes = EnvInt("TF_MPI_GPU_CHUNK_BYTES", 4 << 20);
   if (c.gpu_chunk_bytes <= 0) c.gpu_chunk_bytes = 4 << 20;
+  const char* negotiation = std::getenv("TF_MPI_NEGOTIATION");
+  const std::string shape = negotiation && *negotiation ? negotiation : "tree";
+  if (shape != "tree" && shape != "star")
+    throw std::invalid_argument("tf_mpi: TF_MPI_NEGOTIATION=" + shape + " is not tree or star");
+  c.negotiation_tree = shape == "tree";
   return c;
 }
 
@@ -68,7 +73,8 @@ std::string EngineConfig::ToString() const {
      << (autotune == AutotuneScope::kAll ? "1" : autotune == AutotuneScope::kPlan ? "plan" : "0") << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us << " yield_bytes=" << yield_bytes
-     << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes;
+     << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes
+     << " negotiation=" << (negotiation_tree ? "tree" : "star");
   return os.str();
 }
 

@@ -29,6 +29,7 @@ struct EngineConfig {
   int64_t yield_bytes;             // TF_MPI_YIELD_BYTES: MPI calls this big yield the CPU while waiting; 0: never
   std::string cuda_aware;          // TF_MPI_CUDA_AWARE: auto (ask the MPI), 1 (direct transport), 0 (staged)
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
+  bool negotiation_tree;           // TF_MPI_NEGOTIATION: tree (default) or star (negotiation_tree.h)
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

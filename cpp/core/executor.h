@@ -38,6 +38,11 @@ struct ExecutorStats {
   std::atomic<int64_t> gpu_requests{0}, gpu_staged_bytes{0}, gpu_direct_bytes{0};
   std::atomic<int64_t> inline_batches{0}, inline_max_batch_bytes{0}, deferred_batches{0};
   std::atomic<int64_t> callbacks_under_lock{0}, undelivered_messages{0}, undelivered_bytes{0};
+  // The negotiation's own messages (announcements, reports, decisions; not
+  // the collectives' payloads) this rank sent and received, and their bytes
+  // (protocol.h): what the negotiation tree keeps at O(log N) per step.
+  std::atomic<int64_t> negotiation_msgs_sent{0}, negotiation_bytes_sent{0};
+  std::atomic<int64_t> negotiation_msgs_received{0}, negotiation_bytes_received{0};
 };
 
 class Executor {

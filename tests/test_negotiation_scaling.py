@@ -1,0 +1,72 @@
+"""Negotiation that stays flat as ranks grow (tests/workers/negotiation_worker.py).
+
+One launch per np in (2, 4, 8), oversubscribed on this machine: the same
+20-step loop (one grouped allreduce per step, all from the response cache)
+with the tree and then the star (TF_MPI_NEGOTIATION), messages counted by the
+engine. The busiest rank's messages per steady-state step must grow at most
+like log2(N) with the tree; the star, measured in the same launch, grows like
+N, so the comparison fails if the tree stops working. The same launches check
+results, mismatch errors, join, a stall report and an early shutdown at np=4
+and np=8, where the tree differs from the star."""
+import json
+import math
+import os
+import tempfile
+
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "negotiation_worker.py"
+SIZES = (2, 4, 8)
+_runs = {}
+
+
+def launch(n):
+    if n not in _runs:
+        counts = tempfile.mkdtemp(prefix=f"tfmpi_negotiation_{n}_")
+        run = run_mpi(n, WORKER, timeout=300, env={"TF_MPI_NEGOTIATION_COUNTS": counts})
+        per_rank = {}
+        for name in os.listdir(counts):
+            mode, rank = name.split(".rank")
+            with open(os.path.join(counts, name)) as f:
+                per_rank.setdefault(mode, {})[int(rank.split(".")[0])] = json.load(f)
+        _runs[n] = (run, per_rank)
+    return _runs[n]
+
+
+def busiest(n, mode):
+    """Messages (sent + received) per step of the busiest rank, and of rank 0."""
+    run, per_rank = launch(n)
+    ranks = per_rank.get(mode, {})
+    assert sorted(ranks) == list(range(n)), (mode, sorted(ranks), run.describe())
+    msgs = {r: c["negotiation_msgs_sent"] + c["negotiation_msgs_received"] for r, c in ranks.items()}
+    return max(msgs.values()), msgs[0]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_every_check_passes(n):
+    run, _ = launch(n)
+    for name in check_names(WORKER):
+        assert_check(run, n, name)
+
+
+def test_busiest_rank_messages_grow_like_log2_n_with_the_tree_and_like_n_with_the_star():
+    tree = {n: busiest(n, "tree") for n in SIZES}
+    star = {n: busiest(n, "star") for n in SIZES}
+    assert tree[2][0] > 0 and star[2][0] > 0, (tree, star)
+    for n in SIZES[1:]:
+        assert tree[n][0] / tree[2][0] <= math.log2(n), (n, tree)
+        # Rank 0 takes one report from each child: ceil(log2 N), not N - 1.
+        assert tree[n][1] <= 2 * math.ceil(math.log2(n)), (n, tree)
+    # The contrast: with the star, rank 0 exchanges a message with every rank per step.
+    assert star[8][0] / star[2][0] >= 8 - 1, star
+    assert star[8][0] / star[2][0] > math.log2(8), star
+    assert tree[8][0] < star[8][0], (tree, star)
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_stall_warning_names_the_missing_rank(n):
+    run, _ = launch(n)
+    assert_check(run, n, "check_stall_names_the_missing_rank")
+    assert f"waiting on rank {n - 1}" in run.output, run.describe()

@@ -44,6 +44,12 @@ def reinit(**env):
     _core.init()
 
 
+def rank_list(ranks):
+    """As the engine's messages name ranks: "rank 3", "ranks 0, 1, 2"."""
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 def expect_error(fn, *words):
     try:
         fn()
@@ -125,7 +131,7 @@ def check_first_time_mismatch_names_the_ranks():
     shape = 3 if R == N - 1 else 2
     text = expect_error(lambda: _core.allreduce(np.zeros(shape, np.float32), SUM, "tree.mismatch"),
                         "mismatched allreduce 'tree.mismatch'", "shape differs")
-    assert f"ranks {', '.join(map(str, range(N - 1)))}: [2]" in text and f"rank {N - 1}: [3]" in text, text
+    assert f"{rank_list(range(N - 1))}: [2]" in text and f"rank {N - 1}: [3]" in text, text
 
 
 def check_cached_mismatch_names_the_ranks():
@@ -135,7 +141,7 @@ def check_cached_mismatch_names_the_ranks():
         _core.allreduce(np.zeros(2, np.float32), SUM, "tree.cached.mismatch")
     x = np.zeros(2, np.float64 if R == N - 1 else np.float32)
     text = expect_error(lambda: _core.allreduce(x, SUM, "tree.cached.mismatch"), "dtype differs")
-    assert f"rank {N - 1}: float64" in text and f"ranks {', '.join(map(str, range(N - 1)))}: float32" in text, text
+    assert f"rank {N - 1}: float64" in text and f"{rank_list(range(N - 1))}: float32" in text, text
     step()
 
 

@@ -38,14 +38,19 @@ def worker(out_dir):
     for mode in ("tree", "star"):
         os.environ["TF_MPI_NEGOTIATION"] = mode
         _core.init()
+        from mpi4py import MPI  # adopts the MPI tf_mpi initialised
         r = _core.rank()
         grads = [np.full(1000, r, np.float32), np.full(10, r, np.float64), np.full(100, r, np.int32)]
         for _ in range(WARMUP):
             _core.grouped_allreduce(grads, 1, "grads")
+        # A barrier outside the engine after each snapshot: no rank's next
+        # messages reach a rank before its snapshot, so each counts exactly these steps.
         before = _core.stats()
+        MPI.COMM_WORLD.Barrier()
         for _ in range(STEPS):
             out = _core.grouped_allreduce(grads, 1, "grads")
         after = _core.stats()
+        MPI.COMM_WORLD.Barrier()
         n = _core.size()
         assert out[0][0] == n * (n - 1) // 2, out[0][0]
         result[mode] = {k: (after[k] - before[k]) / STEPS for k in KEYS}

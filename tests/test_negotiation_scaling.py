@@ -35,6 +35,19 @@ def launch(n):
     return _runs[n]
 
 
+def tree_children(r, n):
+    """The binomial tree of cpp/core/negotiation_tree.h: r + 2^j for 2^j < lowbit(r) (rank 0: 2^j < n)."""
+    span = n if r == 0 else r & -r
+    return [r + 2**j for j in range(span.bit_length()) if 2**j < span and r + 2**j < n]
+
+
+def per_rank_msgs(n, mode):
+    run, per_rank = launch(n)
+    ranks = per_rank.get(mode, {})
+    assert sorted(ranks) == list(range(n)), (mode, sorted(ranks), run.describe())
+    return {r: c["negotiation_msgs_sent"] + c["negotiation_msgs_received"] for r, c in ranks.items()}
+
+
 def busiest(n, mode):
     """Messages (sent + received) per step of the busiest rank, and of rank 0."""
     run, per_rank = launch(n)
@@ -59,6 +72,11 @@ def test_busiest_rank_messages_grow_like_log2_n_with_the_tree_and_like_n_with_th
         assert tree[n][0] / tree[2][0] <= math.log2(n), (n, tree)
         # Rank 0 takes one report from each child: ceil(log2 N), not N - 1.
         assert tree[n][1] <= 2 * math.ceil(math.log2(n)), (n, tree)
+    # Exactly the tree's messages: per step each rank takes one batch from its parent and one
+    # report from each child, and sends one report up and one batch to each child.
+    for n in SIZES:
+        want = {r: 2 * len(tree_children(r, n)) + (2 if r else 0) for r in range(n)}
+        assert per_rank_msgs(n, "tree") == want, (n, per_rank_msgs(n, "tree"), want)
     # The contrast: with the star, rank 0 exchanges a message with every rank per step.
     assert star[8][0] / star[2][0] >= 8 - 1, star
     assert star[8][0] / star[2][0] > math.log2(8), star
@@ -70,3 +88,15 @@ def test_stall_warning_names_the_missing_rank(n):
     run, _ = launch(n)
     assert_check(run, n, "check_stall_names_the_missing_rank")
     assert f"waiting on rank {n - 1}" in run.output, run.describe()
+
+
+def test_soak_through_the_tree_at_np6():
+    """tests/workers/soak_worker.py (threads, orders that differ per rank, a 4-entry cache so that
+    names keep moving between cached and full announcements, join at random points) at np=6,
+    where the tree has two levels and an uneven shape: every result exact and identical."""
+    env = {"TF_MPI_CACHE_CAPACITY": "4", "TF_MPI_FUSION_THRESHOLD": "65536", "TF_MPI_FUSION_DIRECT_BYTES": "16384",
+           "TF_MPI_CHUNK_BYTES": "32768", "TF_MPI_STALL_CHECK_TIME_SECONDS": "20",
+           "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+    run = run_mpi(6, "soak_worker.py", timeout=240, env=env, args=["--rounds", "40"])
+    assert_check(run, 6, "check_soak_results_are_exact_and_identical_on_every_rank")
+    assert "soak: " in run.output and "stalled" not in run.output, run.describe()

@@ -194,7 +194,7 @@ bool Protocol::Aggregate(Clock::time_point now) {
   std::vector<Announcement> items;
   // Children may report cache ids that the batches still waiting in ready_
   // create: read reports only once those have run here.
-  while (ready_.empty() && TryReceive(MPI_ANY_SOURCE, kTagReport, &from)) {
+  while (!tree_.children.empty() && ready_.empty() && TryReceive(MPI_ANY_SOURCE, kTagReport, &from)) {
     progressed = true;
     if (!tree_announcements_) continue;  // late, after the tree was left: its origin re-announced it directly
     Decode(bytes_, &items);
@@ -228,7 +228,7 @@ bool Protocol::Collect(Clock::time_point now) {
     Decode(bytes_, &items);
     for (Announcement& a : items) ToCoordinator(a, from, now);
   }
-  while (ready_.empty() && TryReceive(MPI_ANY_SOURCE, kTagReport, &from)) {
+  while (config_.negotiation_tree && ready_.empty() && TryReceive(MPI_ANY_SOURCE, kTagReport, &from)) {
     progressed = true;
     // From the first departure on, every rank re-announces directly what it
     // announced through the tree and is undecided (LeaveTree): what comes up

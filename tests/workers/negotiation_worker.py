@@ -73,10 +73,15 @@ def count_steps(mode):
     """Messages and bytes of the negotiation per steady-state step on this rank."""
     for _ in range(3):  # warm-up: negotiated in full once, then by cache id
         step()
+    # Each snapshot is followed by a barrier outside the engine, so that no
+    # rank's next messages (the next step's, a shutdown's) reach a rank that
+    # has not taken its snapshot yet: every rank counts exactly these steps.
     before = _core.stats()
+    MPI.COMM_WORLD.Barrier()
     for _ in range(STEPS):
         step()
     after = _core.stats()
+    MPI.COMM_WORLD.Barrier()
     keys = ["negotiation_msgs_sent", "negotiation_msgs_received", "negotiation_bytes_sent",
             "negotiation_bytes_received"]
     per_step = {k: (after[k] - before[k]) / STEPS for k in keys}
@@ -87,6 +92,7 @@ def count_steps(mode):
 
 
 _core.init()
+from mpi4py import MPI  # noqa: E402  (adopts the MPI tf_mpi initialised)
 R, N = _core.rank(), _core.size()
 
 

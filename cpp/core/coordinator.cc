@@ -155,25 +155,25 @@ void Coordinator::Decide(const std::string& name, Pending& pending, Clock::time_
     decisions_.push_back(std::move(d));
     return;
   }
-  const struct { std::vector<std::optional<RequestMeta>> by_rank; Clock::time_point first_seen; } p{
-      ByRank(pending), pending.first_seen};
+  // A rank announced in full or has joined: every rank's announcement, to compare.
+  const std::vector<std::optional<RequestMeta>> by_rank = ByRank(pending);
   std::vector<int> announced;
   std::vector<int32_t> joined;
   for (int r = 0; r < size_; ++r) {
-    if (p.by_rank[r]) announced.push_back(r);
+    if (by_rank[r]) announced.push_back(r);
     else joined.push_back(r);
   }
-  const RequestMeta& ref = *p.by_rank[announced[0]];
+  const RequestMeta& ref = *by_rank[announced[0]];
   if (timeline_->active())
-    timeline_->Span(name, "NEGOTIATE", p.first_seen, now, "{\"collective\": \"" +
+    timeline_->Span(name, "NEGOTIATE", pending.first_seen, now, "{\"collective\": \"" +
                     std::string(CollectiveName(ref.type)) + "\", \"ranks\": " + std::to_string(size_) + "}");
   // Agreement: report the first field on which any rank differs from rank 0,
   // with every rank's value, grouped.
   for (int r : announced) {
-    std::string field = FirstDifference(ref, *p.by_rank[r]);
+    std::string field = FirstDifference(ref, *by_rank[r]);
     if (field.empty()) continue;
     std::map<std::string, std::vector<int>> groups;
-    for (int q : announced) groups[FieldValue(*p.by_rank[q], field)].push_back(q);
+    for (int q : announced) groups[FieldValue(*by_rank[q], field)].push_back(q);
     std::ostringstream os;
     os << "tf_mpi: mismatched " << CollectiveName(ref.type) << " '" << name << "' across ranks: " << field
        << " differs:";
@@ -198,10 +198,10 @@ void Coordinator::Decide(const std::string& name, Pending& pending, Clock::time_
   if (ref.type == CollectiveType::kAllgather) {
     d.response.dim0.assign(ref.tensors.size(), std::vector<int64_t>(size_, 0));  // joined ranks: 0 rows
     for (size_t t = 0; t < ref.tensors.size(); ++t)
-      for (int r : announced) d.response.dim0[t][r] = p.by_rank[r]->tensors[t].shape[0];
+      for (int r : announced) d.response.dim0[t][r] = by_rank[r]->tensors[t].shape[0];
   }
   if (ref.type == CollectiveType::kAlltoall) {
-    for (int r = 0; r < size_; ++r) d.response.splits.push_back(p.by_rank[r]->splits);
+    for (int r = 0; r < size_; ++r) d.response.splits.push_back(by_rank[r]->splits);
   }
   if (auto id = joined.empty() ? cache_->Find(d.response) : std::nullopt) {
     d.kind = Decision::Kind::kExecuteCached;

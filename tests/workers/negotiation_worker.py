@@ -193,9 +193,13 @@ def check_one_rank_shutting_down_early():
     _core.allreduce(np.ones(1, np.float32), SUM, "needs.early")
     if R == early:
         _core.shutdown()
+        MPI.COMM_WORLD.Barrier()
     else:
         text = expect_error(lambda: _core.allreduce(np.ones(1, np.float32), SUM, "needs.early"),
                             f"rank {early} called shutdown()")
+        # Rank 0 stays until every rank has its error: once it shuts down
+        # itself, a late announcement would fail with "rank 0 called shutdown()".
+        MPI.COMM_WORLD.Barrier()
         assert text
         _core.shutdown()
     _core.init()

@@ -16,23 +16,43 @@ std::string RankList(const std::vector<int>& ranks) {
   for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
   return os.str();
 }
-template <typename P>
-const RequestMeta& AnyMeta(const P& p) {
-  for (const auto& m : p.by_rank) if (m) return *m;
-  throw std::logic_error("pending entry without announcements");
-}
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 }  // namespace
 
-void Coordinator::AnnounceCached(int rank, uint32_t cache_id, Clock::time_point now) {
+void Coordinator::AnnounceCached(const RankRanges& ranks, uint32_t cache_id, Clock::time_point now) {
+  if (ranks.empty()) return;
   if (!cache_->Has(cache_id))
-    throw std::runtime_error("rank " + std::to_string(rank) + " announced response-cache entry " +
+    throw std::runtime_error(RankList({ranks.ranges().front().first}) + " announced response-cache entry " +
                              std::to_string(cache_id) + ", which rank 0 does not have");
-  const Response& r = cache_->Get(cache_id);
-  RequestMeta meta = r.meta;
-  // Allgather: this rank's own first dimensions, as recorded in the cache.
-  for (size_t t = 0; t < r.dim0.size(); ++t) meta.tensors[t].shape[0] = r.dim0[t][rank];
-  Announce(rank, std::move(meta), now);
+  const std::string& name = cache_->Get(cache_id).meta.name;
+  if (departed_count_ > 0) {
+    Announce(ranks.ranges().front().first, cache_->Get(cache_id).meta, now);  // fails it, as a full one would
+    return;
+  }
+  Pending& p = Entry(name, now);
+  RankRanges fresh = ranks.Minus(p.cached);
+  for (const auto& [rank, meta] : p.full) fresh = fresh.Minus(RankRanges::Of(rank, rank + 1));
+  if (fresh.count() != ranks.count())
+    // The workers refuse duplicates locally, so this means a protocol bug.
+    LogError("a rank in " + std::to_string(ranks.ranges().front().first) + ".." +
+             std::to_string(ranks.ranges().back().second - 1) + " announced '" + name + "' twice");
+  if (!p.cached.empty() && p.cache_id != cache_id) {
+    LogError("'" + name + "' announced under two cache ids");
+    return;
+  }
+  p.cache_id = cache_id;
+  p.cached.Add(fresh);
+  p.count += fresh.count();
+  if (timeline_->active())
+    for (const auto& [lo, hi] : fresh.ranges())
+      for (int r = lo; r < hi; ++r) timeline_->Instant(name, "READY", now, "{\"rank\": " + std::to_string(r) + "}");
+  Counted(name, p, now);
+}
+
+Coordinator::Pending& Coordinator::Entry(const std::string& name, Clock::time_point now) {
+  auto [it, fresh] = pending_.try_emplace(name);
+  if (fresh) it->second.first_seen = it->second.last_warned = now;
+  return it->second;
 }
 
 void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
@@ -48,30 +68,51 @@ void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
     Join(rank, now);
     return;
   }
-  Pending& p = pending_[name];
-  if (p.by_rank.empty()) {
-    p.by_rank.resize(size_);
-    p.first_seen = p.last_warned = now;
-  }
-  if (p.by_rank[rank]) {
+  Pending& p = Entry(name, now);
+  if (p.full.count(rank) || p.cached.Contains(rank)) {
     // The worker refuses duplicates locally, so this means a protocol bug.
     LogError("rank " + std::to_string(rank) + " announced '" + name + "' twice");
     return;
   }
-  p.by_rank[rank] = std::move(meta);
+  p.full.emplace(rank, std::move(meta));
   if (timeline_->active())
     timeline_->Instant(name, "READY", now, "{\"rank\": " + std::to_string(rank) + "}");
   ++p.count;
+  Counted(name, p, now);
+}
+
+void Coordinator::Counted(const std::string& name, Pending& p, Clock::time_point now) {
   if (Complete(p)) {
     Decide(name, p, now);
     pending_.erase(name);
   }
 }
 
+std::vector<std::optional<RequestMeta>> Coordinator::ByRank(const Pending& p) const {
+  std::vector<std::optional<RequestMeta>> by_rank(size_);
+  for (const auto& [rank, meta] : p.full) by_rank[rank] = meta;
+  if (p.cached.empty()) return by_rank;
+  const Response& r = cache_->Get(p.cache_id);
+  for (const auto& [lo, hi] : p.cached.ranges())
+    for (int rank = lo; rank < hi; ++rank) {
+      by_rank[rank] = r.meta;
+      // Allgather: this rank's own first dimensions, as recorded in the cache.
+      for (size_t t = 0; t < r.dim0.size(); ++t) by_rank[rank]->tensors[t].shape[0] = r.dim0[t][rank];
+    }
+  return by_rank;
+}
+
+const RequestMeta& Coordinator::AnyMeta(const Pending& p) const {
+  if (!p.full.empty()) return p.full.begin()->second;
+  return cache_->Get(p.cache_id).meta;
+}
+
 bool Coordinator::Complete(const Pending& p) const {
+  if (joined_count_ == 0) return p.count == size_;
+  int64_t stand_ins = 0;  // joined ranks that did not announce it
   for (int r = 0; r < size_; ++r)
-    if (!p.by_rank[r] && !joined_[r]) return false;
-  return true;
+    if (joined_[r] && !p.full.count(r) && !p.cached.Contains(r)) ++stand_ins;
+  return p.count + stand_ins == size_;
 }
 
 void Coordinator::Join(int rank, Clock::time_point now) {
@@ -100,24 +141,39 @@ void Coordinator::Join(int rank, Clock::time_point now) {
   joined_count_ = 0;
 }
 
-void Coordinator::Decide(const std::string& name, Pending& p, Clock::time_point now) {
+void Coordinator::Decide(const std::string& name, Pending& pending, Clock::time_point now) {
+  if (pending.full.empty() && joined_count_ == 0) {
+    // Every rank announced the cached response itself: it is decided as it is
+    // (the ranks' own entries matched it, so the checks below all pass).
+    if (timeline_->active())
+      timeline_->Span(name, "NEGOTIATE", pending.first_seen, now, "{\"collective\": \"" +
+                      std::string(CollectiveName(cache_->Get(pending.cache_id).meta.type)) +
+                      "\", \"ranks\": " + std::to_string(size_) + "}");
+    Decision d;
+    d.kind = Decision::Kind::kExecuteCached;
+    d.cache_id = pending.cache_id;
+    decisions_.push_back(std::move(d));
+    return;
+  }
+  // A rank announced in full or has joined: every rank's announcement, to compare.
+  const std::vector<std::optional<RequestMeta>> by_rank = ByRank(pending);
   std::vector<int> announced;
   std::vector<int32_t> joined;
   for (int r = 0; r < size_; ++r) {
-    if (p.by_rank[r]) announced.push_back(r);
+    if (by_rank[r]) announced.push_back(r);
     else joined.push_back(r);
   }
-  const RequestMeta& ref = *p.by_rank[announced[0]];
+  const RequestMeta& ref = *by_rank[announced[0]];
   if (timeline_->active())
-    timeline_->Span(name, "NEGOTIATE", p.first_seen, now, "{\"collective\": \"" +
+    timeline_->Span(name, "NEGOTIATE", pending.first_seen, now, "{\"collective\": \"" +
                     std::string(CollectiveName(ref.type)) + "\", \"ranks\": " + std::to_string(size_) + "}");
   // Agreement: report the first field on which any rank differs from rank 0,
   // with every rank's value, grouped.
   for (int r : announced) {
-    std::string field = FirstDifference(ref, *p.by_rank[r]);
+    std::string field = FirstDifference(ref, *by_rank[r]);
     if (field.empty()) continue;
     std::map<std::string, std::vector<int>> groups;
-    for (int q : announced) groups[FieldValue(*p.by_rank[q], field)].push_back(q);
+    for (int q : announced) groups[FieldValue(*by_rank[q], field)].push_back(q);
     std::ostringstream os;
     os << "tf_mpi: mismatched " << CollectiveName(ref.type) << " '" << name << "' across ranks: " << field
        << " differs:";
@@ -142,10 +198,10 @@ void Coordinator::Decide(const std::string& name, Pending& p, Clock::time_point 
   if (ref.type == CollectiveType::kAllgather) {
     d.response.dim0.assign(ref.tensors.size(), std::vector<int64_t>(size_, 0));  // joined ranks: 0 rows
     for (size_t t = 0; t < ref.tensors.size(); ++t)
-      for (int r : announced) d.response.dim0[t][r] = p.by_rank[r]->tensors[t].shape[0];
+      for (int r : announced) d.response.dim0[t][r] = by_rank[r]->tensors[t].shape[0];
   }
   if (ref.type == CollectiveType::kAlltoall) {
-    for (int r = 0; r < size_; ++r) d.response.splits.push_back(p.by_rank[r]->splits);
+    for (int r = 0; r < size_; ++r) d.response.splits.push_back(by_rank[r]->splits);
   }
   if (auto id = joined.empty() ? cache_->Find(d.response) : std::nullopt) {
     d.kind = Decision::Kind::kExecuteCached;
@@ -167,10 +223,9 @@ void Coordinator::Fail(const std::string& name, const std::string& why, StatusCo
 }
 
 void Coordinator::Departed(int rank) {
-  if (!departed_[rank]) {
-    departed_[rank] = true;
-    ++departed_count_;
-  }
+  if (departed_[rank]) return;
+  departed_[rank] = true;
+  ++departed_count_;
   for (auto& [name, p] : pending_)
     Fail(name, "tf_mpi: collective '" + name + "' cannot complete: rank " + std::to_string(rank) +
                    " called shutdown()", StatusCode::kAborted);
@@ -190,7 +245,7 @@ std::vector<Decision> Coordinator::TakeDecisions() {
 std::string Coordinator::Ranks(const Pending& p, bool announced) const {
   std::vector<int> ranks;
   for (int r = 0; r < size_; ++r)
-    if (static_cast<bool>(p.by_rank[r]) == announced) ranks.push_back(r);
+    if ((p.full.count(r) || p.cached.Contains(r)) == announced) ranks.push_back(r);
   return RankList(ranks);
 }
 

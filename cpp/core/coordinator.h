@@ -5,14 +5,21 @@
 // Rank 0 alone decides the order in which ready collectives run; every rank
 // then executes the same decisions in the same order, so MPI calls match even
 // though TensorFlow schedules ops differently on each rank.
+//
+// Announcements by cache id arrive as rank ranges (negotiation_tree.h) and are
+// counted as ranges: a steady-state collective costs O(number of ranges) here,
+// not O(N). Per-rank detail (every rank's metadata) is built only on the rare
+// paths: a rank announced in full, a rank has joined, a stall is reported.
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "rank_ranges.h"
 #include "request.h"
 #include "response_cache.h"
 #include "timeline.h"
@@ -32,11 +39,13 @@ class Coordinator {
 
   // `rank` announced `meta`.
   void Announce(int rank, RequestMeta meta, Clock::time_point now);
-  // `rank` announced a request by cache id. Throws if rank 0 has no such entry
-  // (the ranks disagree on the protocol): the engine then stops (Engine::Fail).
-  void AnnounceCached(int rank, uint32_t cache_id, Clock::time_point now);
-  // `rank` is shutting down: what waits on it fails, it gets an acknowledgement.
+  // `ranks` announced a request by cache id. Throws if rank 0 has no such entry
+  // (the ranks disagree on the protocol): the engine then stops (Protocol::Fail).
+  void AnnounceCached(const RankRanges& ranks, uint32_t cache_id, Clock::time_point now);
+  // `rank` is shutting down: what waits on it fails, it gets an acknowledgement
+  // (once: a repeated shutdown announcement of the same rank is ignored).
   void Departed(int rank);
+  bool any_departed() const { return departed_count_ > 0; }
 
   // Decisions made since the last call, in execution order.
   std::vector<Decision> TakeDecisions();
@@ -46,11 +55,19 @@ class Coordinator {
 
  private:
   struct Pending {
-    std::vector<std::optional<RequestMeta>> by_rank;
-    int count = 0;
+    std::map<int, RequestMeta> full;  // ranks that announced in full, with what they announced
+    RankRanges cached;                // ranks that announced by cache_id
+    uint32_t cache_id = 0;
+    int64_t count = 0;                // full.size() + cached.count()
     Clock::time_point first_seen;
     Clock::time_point last_warned;
   };
+  Pending& Entry(const std::string& name, Clock::time_point now);
+  // Every rank's announcement (empty: not announced); the rare paths only.
+  std::vector<std::optional<RequestMeta>> ByRank(const Pending& p) const;
+  const RequestMeta& AnyMeta(const Pending& p) const;
+  // Counts an announcement into `name`'s entry; decides it once complete.
+  void Counted(const std::string& name, Pending& p, Clock::time_point now);
   void Decide(const std::string& name, Pending& p, Clock::time_point now);
   // Fails `name` on every rank with `why`; `code` says how (see Decision::error_code).
   void Fail(const std::string& name, const std::string& why, StatusCode code = StatusCode::kPrecondition);

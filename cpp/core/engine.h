@@ -1,27 +1,41 @@
 // The per-process engine: callers (TensorFlow kernels, the Python binding)
-// enqueue Requests from any thread and return; the protocol announces them to
-// rank 0, executes rank 0's decisions and calls each request's `done`.
+// enqueue Requests from any thread and return; the negotiation protocol
+// (protocol.h) announces them, agrees with the other ranks on what runs in
+// which order and executes it, calling each request's `done`. This file owns
+// the engine's lifecycle (Init/Shutdown), who runs the protocol when (the
+// background thread's Loop and its wait policy, or a caller: Enqueue/Drive)
+// and the locks.
 //
-//   caller threads --Enqueue--> queue --> Step() (whoever holds progress_mu_)
-//        worker ranks:  announce (Isend to rank 0)  <-- decisions (from rank 0)
-//        rank 0:        Coordinator collects announcements, decides, sends
-//   then every rank: Executor runs decisions in order (fusion, MPI), done(status)
-//
-// Step() is normally run by the background thread. A caller that submits a
-// small request runs it itself for a short while instead (see Drive): with
-// one core per rank, handing a 1 KiB allreduce to another thread and back
+// Who runs the protocol: normally the background thread. A caller that
+// submits a small request runs it itself for a short while instead (Drive):
+// with one core per rank, handing a 1 KiB allreduce to another thread and back
 // costs more than the collective. A caller executes only batches that fit
 // config().inline_bytes; a larger batch waits for the background thread.
 //
-// Completion callbacks (Request::done) never run under an engine lock: the
-// protocol queues them (completions_) and whoever ran the protocol calls them
-// after releasing progress_mu_, so a callback may submit the next collective
-// (TensorFlow does) or block without stopping the protocol.
-//
-// Thread safety of MPI: every MPI call the engine makes while it runs is made
-// by whoever holds progress_mu_ (Step, the final drain in Loop); Init and
-// Shutdown call MPI only while no engine thread runs. So the engine's own MPI
-// calls are serialised; see MpiContext::Init for the thread level required.
+// Locking rules (the only place they are written):
+//  - progress_mu_: whoever holds it runs the protocol (the background thread,
+//    or a caller in Drive). It guards protocol_ (all negotiation state: the
+//    Protocol takes no lock of its own) and completions_. Every MPI call the
+//    engine makes while it runs is made under it (Init and Shutdown call MPI
+//    only while no engine thread runs), so the engine's MPI calls are
+//    serialised; see MpiContext::Init for the thread level required.
+//  - mu_ (taken through StateLock): guards queue_, stop_requested_,
+//    stop_reason_, driving_, handoff_ and tunables_, and cv_ waits on it. It
+//    may be taken while holding progress_mu_, never the other way round.
+//  - Completion callbacks (Request::done) never run under an engine lock: the
+//    protocol queues them (completions_) and whoever ran the protocol calls
+//    them after releasing progress_mu_ (RunCompletions), so a callback may
+//    submit the next collective (TensorFlow does) or block without stopping
+//    the protocol.
+//  - Thread-locals (engine.cc), what the calling thread holds: tls_turn
+//    (progress_mu_), tls_state_locks (how many StateLocks on mu_),
+//    tls_completing (it is running completion callbacks). A request
+//    submitted while tls_turn or tls_completing is set is queued for the
+//    background thread instead of being driven here, so drives never nest;
+//    RunCompletions counts callbacks that find tls_turn or tls_state_locks
+//    set (stats: callbacks_under_lock, always 0 unless a bug).
+//  - initialized_ and gpu_device_ are atomics; mpi_, config_ and gpu_choice_
+//    are written only by Init, before the background thread starts.
 #pragma once
 
 #include <atomic>
@@ -37,6 +51,7 @@
 #include "gpu_transport.h"
 #include "hierarchical.h"
 #include "mpi_context.h"
+#include "protocol.h"
 #include "request.h"
 #include "timeline.h"
 
@@ -80,29 +95,15 @@ class Engine {
   void StopTimeline() { timeline_.Stop(); }
 
  private:
-  struct Protocol;  // the protocol's state; touched only under progress_mu_ (engine.cc)
   struct Completion { DoneCallback done; Status status; };
   using Completions = std::vector<Completion>;
 
   Engine();
   ~Engine();
   void Loop();
-  // One pass of the protocol: announce what was submitted, decide (rank 0) or
-  // receive decisions, execute them. Returns whether anything happened.
-  // `on_caller`: a caller runs it (Drive), so batches larger than
-  // config().inline_bytes are left for the background thread (*deferred).
-  bool Step(Protocol& p, bool on_caller, bool* deferred);
-  // Step() that turns an exception into a clean stop of the protocol (Fail).
-  bool SafeStep(Protocol& p, bool on_caller, bool* deferred);
-  // Executes the oldest decided batch.
-  void RunBatch(Protocol& p);
-  // Bytes the collectives of `batch` move on this rank (what Drive bounds).
-  int64_t BatchBytes(const Protocol& p, const std::vector<Decision>& batch) const;
-  // The protocol cannot go on (an internal error while negotiating): fails
-  // what is pending here with `why`, tells the peers (rank 0: no more
-  // decisions; a worker: it leaves) and ends the protocol on this rank.
-  void Fail(Protocol& p, const std::string& why);
-  // Runs Step() on the calling thread until `finished`, until config().inline_wait_us
+  // One Step of the protocol with what callers queued (see Protocol::Step).
+  bool RunProtocol(bool on_caller, bool* deferred);
+  // Runs the protocol on the calling thread until `finished`, until config().inline_wait_us
   // pass without progress, until a batch too large for a caller is next or the
   // drive's time is up; then hands what is left to the background thread.
   void Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& finished);
@@ -122,12 +123,11 @@ class Engine {
   mutable std::atomic<int> gpu_device_{-1};  // the GPU of this rank's first GPU request
   std::thread thread_;
 
+  std::mutex progress_mu_;  // see the locking rules above
   std::unique_ptr<Protocol> protocol_;
-  // Whoever holds it runs Step(): the background thread, or a caller in Drive().
-  std::mutex progress_mu_;
-  Completions completions_;  // guarded by progress_mu_: requests' done callbacks, not yet run
+  Completions completions_;  // requests' done callbacks, not yet run
 
-  std::mutex mu_;  // guards the fields below
+  std::mutex mu_;  // see the locking rules above
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Request>> queue_;
   bool stop_requested_ = false;

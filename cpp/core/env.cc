@@ -59,6 +59,11 @@ EngineConfig EngineConfig::FromEnv() {
   c.gpu_chunk_bytes = EnvInt("TF_MPI_GPU_CHUNK_BYTES", 4 << 20);
   if (c.gpu_chunk_bytes <= 0) c.gpu_chunk_bytes = 4 << 20;
   c.hierarchical = HierarchicalSettings::FromEnv();
+  const char* negotiation = std::getenv("TF_MPI_NEGOTIATION");
+  const std::string shape = negotiation && *negotiation ? negotiation : "tree";
+  if (shape != "tree" && shape != "star")
+    throw std::invalid_argument("tf_mpi: TF_MPI_NEGOTIATION=" + shape + " is not tree or star");
+  c.negotiation_tree = shape == "tree";
   return c;
 }
 
@@ -69,7 +74,7 @@ std::string EngineConfig::ToString() const {
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us
      << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes
-     << " " << hierarchical.ToString();
+     << " negotiation=" << (negotiation_tree ? "tree" : "star") << " " << hierarchical.ToString();
   return os.str();
 }
 

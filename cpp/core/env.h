@@ -30,6 +30,7 @@ struct EngineConfig {
   std::string cuda_aware;          // TF_MPI_CUDA_AWARE: auto (ask the MPI), 1 (direct transport), 0 (staged)
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
   HierarchicalSettings hierarchical;  // TF_MPI_HIERARCHICAL and its model (hierarchical_model.h)
+  bool negotiation_tree;           // TF_MPI_NEGOTIATION: tree (default) or star (negotiation_tree.h)
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

@@ -42,6 +42,11 @@ struct ExecutorStats {
   // Host allreduces (buffers: fused or direct) run by the hierarchical
   // scheme (hierarchical.h), and their bytes.
   std::atomic<int64_t> hierarchical_allreduces{0}, hierarchical_bytes{0};
+  // The negotiation's own messages (announcements, reports, decisions; not
+  // the collectives' payloads) this rank sent and received, and their bytes
+  // (protocol.h): what the negotiation tree keeps at O(log N) per step.
+  std::atomic<int64_t> negotiation_msgs_sent{0}, negotiation_bytes_sent{0};
+  std::atomic<int64_t> negotiation_msgs_received{0}, negotiation_bytes_received{0};
 };
 
 class Executor {

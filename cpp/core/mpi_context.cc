@@ -77,7 +77,7 @@ Status MpiContext::Init(const InitOptions& opts) {
   if (!ThreadMultiple()) {
     // The engine's own MPI calls are serialised: while the engine runs, every
     // one of them is made by whichever thread holds the protocol lock (the
-    // engine thread, or a caller driving a small request: Engine::Step), and
+    // engine thread, or a caller driving a small request: Protocol::Step), and
     // Init/Shutdown call MPI only while no engine thread runs. The one
     // exception is MPI_Abort, which may come from any thread, since a job
     // stuck inside a collective must still be killable. So

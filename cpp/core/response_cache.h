@@ -27,6 +27,11 @@ class ResponseCache {
   std::optional<uint32_t> Lookup(const RequestMeta& submitted, int rank) const;
   // Id of `name` if its cached response equals `r` exactly.
   std::optional<uint32_t> Find(const Response& r) const;
+  // Id of `name`, whatever its entry holds.
+  std::optional<uint32_t> IdOf(const std::string& name) const {
+    auto it = ids_.find(name);
+    return it == ids_.end() ? std::nullopt : std::optional<uint32_t>(it->second);
+  }
   const Response& Get(uint32_t id) const { return entries_.at(id); }
   bool Has(uint32_t id) const { return id < entries_.size(); }
   void Put(const Response& r);

@@ -1,6 +1,8 @@
 // The two negotiation messages and their byte encoding.
-//   worker -> rank 0 : a batch of Announcements (new or cached requests, control)
-//   rank 0 -> workers: a batch of Decisions, executed by every rank in order
+//   towards rank 0 : a batch of Announcements (new or cached requests, control),
+//                    sent to rank 0 (star) or to the parent in the tree, which
+//                    relays them (negotiation_tree.h)
+//   from rank 0    : a batch of Decisions, executed by every rank in order
 #pragma once
 
 #include <cstdint>
@@ -9,16 +11,20 @@
 #include <string>
 #include <vector>
 
+#include "rank_ranges.h"
 #include "request.h"
 #include "tunables.h"
 
 namespace tfmpi {
 
 struct Announcement {
-  enum class Kind : uint8_t { kFull = 0, kCached = 1, kShutdown = 2 };
+  // kCachedRanges: the ranks `ranks` announced `cache_id` (the tree's aggregate).
+  enum class Kind : uint8_t { kFull = 0, kCached = 1, kShutdown = 2, kCachedRanges = 3 };
   Kind kind = Kind::kFull;
-  RequestMeta meta;   // kFull
-  uint32_t cache_id = 0;  // kCached
+  RequestMeta meta;       // kFull
+  uint32_t cache_id = 0;  // kCached, kCachedRanges
+  int32_t origin = -1;    // kFull, kShutdown: the rank that announced it (a relay keeps it)
+  RankRanges ranks;       // kCachedRanges
 };
 
 struct Decision {

@@ -372,13 +372,20 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("undelivered_bytes") = s.undelivered_bytes.load(),
                     // hierarchical allreduce (hierarchical.h)
                     py::arg("hierarchical_allreduces") = s.hierarchical_allreduces.load(),
-                    py::arg("hierarchical_bytes") = s.hierarchical_bytes.load());
+                    py::arg("hierarchical_bytes") = s.hierarchical_bytes.load(),
+                    // the negotiation's own messages (not the collectives' payloads)
+                    py::arg("negotiation_msgs_sent") = s.negotiation_msgs_sent.load(),
+                    py::arg("negotiation_bytes_sent") = s.negotiation_bytes_sent.load(),
+                    py::arg("negotiation_msgs_received") = s.negotiation_msgs_received.load(),
+                    py::arg("negotiation_bytes_received") = s.negotiation_bytes_received.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
      "batches a caller's thread executed inline (and the largest, in bytes), batches it left to the engine\n"
      "thread, completion callbacks run under an engine lock (a bug if not 0), and protocol messages (and\n"
-     "bytes) that never reached their peer at shutdown; allreduce buffers (and bytes) reduced hierarchically.");
+     "bytes) that never reached their peer at shutdown; allreduce buffers (and bytes) reduced hierarchically;\n"
+     "the negotiation's own messages and bytes this rank sent and received (announcements and decisions, not\n"
+     "the collectives' data).");
   m.def("hierarchical", [] {
     Ctx();
     const HierarchicalChoice& c = E().hierarchical();

@@ -38,6 +38,19 @@ struct ExecutorStats {
   std::atomic<int64_t> gpu_requests{0}, gpu_staged_bytes{0}, gpu_direct_bytes{0};
   std::atomic<int64_t> inline_batches{0}, inline_max_batch_bytes{0}, deferred_batches{0};
   std::atomic<int64_t> callbacks_under_lock{0}, undelivered_messages{0}, undelivered_bytes{0};
+
+  // Payload bytes this rank handed to MPI collectives (what gradient
+  // compression saves), in total and per CollectiveType (indexed by its
+  // value; kJoin moves no payload). Allreduce and reducescatter: the whole
+  // input buffer; allgather: this rank's rows; broadcast: the root's buffer
+  // (0 elsewhere); alltoall: the rows sent to other ranks. Negotiation
+  // messages are not counted.
+  std::atomic<int64_t> payload_bytes_sent{0};
+  std::atomic<int64_t> payload_bytes_by_type[5] = {};
+  void CountPayload(CollectiveType type, int64_t bytes) {
+    payload_bytes_sent += bytes;
+    payload_bytes_by_type[static_cast<int>(type)] += bytes;
+  }
 };
 
 class Executor {

@@ -368,13 +368,22 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("deferred_batches") = s.deferred_batches.load(),
                     py::arg("callbacks_under_lock") = s.callbacks_under_lock.load(),
                     py::arg("undelivered_messages") = s.undelivered_messages.load(),
-                    py::arg("undelivered_bytes") = s.undelivered_bytes.load());
+                    py::arg("undelivered_bytes") = s.undelivered_bytes.load(),
+                    // Payload bytes handed to MPI collectives (ExecutorStats::CountPayload).
+                    py::arg("payload_bytes_sent") = s.payload_bytes_sent.load(),
+                    py::arg("payload_bytes_allreduce") = s.payload_bytes_by_type[0].load(),
+                    py::arg("payload_bytes_allgather") = s.payload_bytes_by_type[1].load(),
+                    py::arg("payload_bytes_broadcast") = s.payload_bytes_by_type[2].load(),
+                    py::arg("payload_bytes_alltoall") = s.payload_bytes_by_type[3].load(),
+                    py::arg("payload_bytes_reducescatter") = s.payload_bytes_by_type[4].load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
      "batches a caller's thread executed inline (and the largest, in bytes), batches it left to the engine\n"
      "thread, completion callbacks run under an engine lock (a bug if not 0), and protocol messages (and\n"
-     "bytes) that never reached their peer at shutdown.");
+     "bytes) that never reached their peer at shutdown; payload bytes this rank handed to MPI collectives\n"
+     "(payload_bytes_sent, and per collective: allreduce and reducescatter their input, allgather this rank's\n"
+     "rows, broadcast the root's buffer, alltoall the rows sent to other ranks).");
   py::class_<DeviceArray, std::shared_ptr<DeviceArray>>(
       m, "DeviceArray",
       "GPU memory holding a collective's result; use it through __cuda_array_interface__, e.g. cupy.asarray(a).")

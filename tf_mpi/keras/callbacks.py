@@ -58,7 +58,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             if not opt.built:
                 opt.build(model.trainable_variables)
             # Error-feedback residuals of top-k compression are each rank's own: not broadcast.
-            own = {id(v) for v in getattr(opt, "_tfmpi_residuals", None) or []}
+            own = {id(v) for v in getattr(opt, "residual_variables", [])}
             variables += [v for v in opt.variables if id(v) not in own]
         broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True

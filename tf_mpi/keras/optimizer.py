@@ -59,6 +59,20 @@ class _DistributedMixin:
         """The grouping plan of the last traced step (tf_mpi.grouping.Plan), or None."""
         return self._tfmpi_get_reducer().plan
 
+    @property
+    def residual_variables(self):
+        """The error-feedback residuals of Compression.topk / gtopk (optimizer variables; [] otherwise).
+
+        They are each rank's own state: they differ between ranks, are not
+        broadcast by BroadcastGlobalVariablesCallback, and an exact resume
+        needs each rank's own checkpoint.
+
+        Example::
+
+            synced = [v for v in opt.variables if all(v is not r for r in opt.residual_variables)]
+        """
+        return list(getattr(self, "_tfmpi_residuals", None) or [])
+
     def _tfmpi_reduce(self, grads, variables, residuals=None):
         return self._tfmpi_get_reducer().reduce(grads, variables, residuals)
 

@@ -193,7 +193,7 @@ class SparsifyingCompressor(tf.Module):
             for acc, shape, res, dense, keep in zip(flat, shapes, residuals, results, included):
                 if scale != 1.0:
                     dense = dense * tf.cast(scale, dense.dtype)
-                res.assign(tf.reshape(tf.where(keep, tf.zeros_like(acc), acc), shape))
+                res.assign(tf.cast(tf.reshape(tf.where(keep, tf.zeros_like(acc), acc), shape), res.dtype))
                 out.append(tf.reshape(dense, shape))
             return out
 

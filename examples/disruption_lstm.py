@@ -75,7 +75,8 @@ import tf_mpi as hvd  # noqa: E402
 from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr  # noqa: E402
 
 from example_utils import (add_training_arguments, agreed_checkpoint_state, new_figure, rank_logger,  # noqa: E402
-                           read_checkpoint_state, replica_check, save_figure, write_json_atomic)
+                           read_checkpoint_state, replica_check, save_figure, write_json_atomic,
+                           compression_from_args)
 
 # The diagnostics of the synthetic shots: (name, sampling period in steps).
 # Fast magnetics every step, slow equilibrium reconstruction every 10 steps.
@@ -411,7 +412,7 @@ def main():
     keras.mixed_precision.set_global_policy(args.precision)
     # Different seeds per rank: the initial weights differ until rank 0's are broadcast.
     keras.utils.set_random_seed(args.seed + rank)
-    compression = hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
+    compression = compression_from_args(hvd, args)  # topk / gtopk residuals start at zero, also on resume
 
     model = build_model(args)
     opt = build_optimizer(args, steps_per_epoch, size)

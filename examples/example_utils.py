@@ -23,7 +23,7 @@ def rank_logger(rank, verbose):
 
 def add_training_arguments(parser, lr, plot_help, seed_help=None):
     """The flags the training examples share, in this order: --lr (default `lr`), --max-lr,
-    --lr-decay, --warmup-epochs, --precision, --compression, --checkpoint-dir, --plot
+    --lr-decay, --warmup-epochs, --precision, --compression, --compression-ratio, --checkpoint-dir, --plot
     (`plot_help`), --seed and --verbose."""
     p = parser
     p.add_argument("--lr", type=float, default=lr, help="single-worker learning rate lr0 (Adam)")
@@ -31,14 +31,23 @@ def add_training_arguments(parser, lr, plot_help, seed_help=None):
     p.add_argument("--lr-decay", type=float, default=0.9, help="learning rate factor per epoch")
     p.add_argument("--warmup-epochs", type=float, default=0.5, help="linear warm-up length in epochs")
     p.add_argument("--precision", choices=["float32", "mixed_float16"], default="float32")
-    p.add_argument("--compression", choices=["none", "fp16"], default="none",
-                   help="gradient compression on the wire")
+    p.add_argument("--compression", choices=["none", "fp16", "topk", "gtopk"], default="none",
+                   help="gradient compression on the wire (topk / gtopk: sparsified with error feedback)")
+    p.add_argument("--compression-ratio", type=float, default=0.01,
+                   help="with --compression topk or gtopk: the fraction of each gradient's entries sent")
     p.add_argument("--checkpoint-dir", default=None,
                    help="rank 0 saves here after every epoch; a later run resumes from it "
                         "(must be readable by every rank, e.g. a shared filesystem)")
     p.add_argument("--plot", default=None, help=plot_help)
     p.add_argument("--seed", type=int, default=0, help=seed_help)
     p.add_argument("--verbose", action="store_true", help="every rank prints (default: rank 0 only)")
+
+
+def compression_from_args(hvd, args):
+    """The compressor --compression and --compression-ratio name."""
+    if args.compression in ("topk", "gtopk"):
+        return getattr(hvd.Compression, args.compression)(args.compression_ratio)
+    return hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
 
 
 def write_json_atomic(path, obj, indent=None):

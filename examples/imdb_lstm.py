@@ -62,7 +62,7 @@ from tf_mpi.functions import allgather_object  # noqa: E402
 
 from example_utils import (add_training_arguments, agreed_checkpoint_state, lstm_text_classifier,  # noqa: E402
                            new_figure, rank_logger, read_checkpoint_state, replica_check, save_figure,
-                           write_json_atomic)
+                           write_json_atomic, compression_from_args)
 from tf_mpi.keras.schedules import WorkerScaledSchedule, worker_scaled_lr  # noqa: E402
 
 IMDB_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/imdb.npz"
@@ -279,7 +279,7 @@ def main():
     # Different seeds per rank shuffle each rank's shard differently; the
     # initial weights also differ, until rank 0's are broadcast at the start of fit.
     keras.utils.set_random_seed(args.seed + rank)
-    compression = hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
+    compression = compression_from_args(hvd, args)
 
     # Resume: rank 0 reads the checkpoint state and tells the others, so every
     # rank agrees on the epoch to start from. Every rank then loads the model
@@ -292,6 +292,9 @@ def main():
         state = agreed_checkpoint_state(args.checkpoint_dir)
         if state:
             model = hvd.load_model(os.path.join(args.checkpoint_dir, state["model"]), compression=compression)
+            for r in model.optimizer.residual_variables:
+                # topk / gtopk: the file holds rank 0's residuals, which are not this rank's own.
+                r.assign(tf.zeros_like(r))
             history, initial_epoch = state["history"], state["epoch"]
             log(f"resuming from {args.checkpoint_dir}/{state['model']}: epoch {initial_epoch + 1} of {args.epochs}")
     if model is None:
@@ -324,7 +327,8 @@ def main():
         final = {"val_" + k: float(np.mean([g[k] for g in gathered])) for k in scores}
 
     # Data parallelism keeps the replicas identical: check it.
-    replicas = replica_check(model.get_weights(), model.optimizer.variables)
+    residuals = {id(r) for r in model.optimizer.residual_variables}  # each rank's own (topk / gtopk)
+    replicas = replica_check(model.get_weights(), [v for v in model.optimizer.variables if id(v) not in residuals])
 
     if rank == 0:
         if args.plot and history:

@@ -25,7 +25,9 @@ class GradientReducer:
     Args:
       name: prefix of the collectives' names (must be equal on all ranks).
       op: Average or Sum.
-      compression: Compression.none or Compression.fp16.
+      compression: Compression.none, Compression.fp16, or Compression.topk(ratio) /
+        Compression.gtopk(ratio) (sparsified with error feedback; IndexedSlices
+        gradients are densified first).
       sparse_as_dense: densify IndexedSlices instead of allgathering them.
       gradient_predivide_factor: with op=Average, divide by this before the sum
         and by size/factor after it (splits the averaging to avoid overflow).
@@ -53,6 +55,9 @@ class GradientReducer:
             raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average")
+        if compression in (Compression.topk, Compression.gtopk):
+            raise ValueError("tf_mpi: Compression.topk / Compression.gtopk take the ratio of entries to send, "
+                             "e.g. compression=Compression.topk(0.01)")
         self.name, self.op, self.compression = name, op, compression
         self.sparse_as_dense = sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -65,6 +70,7 @@ class GradientReducer:
         self.scale_local_gradients = scale_local_gradients
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self._local = set()  # variable_key of worker-local variables
+        self._residuals = {}  # variable_key -> error-feedback variable given by the optimizer
 
     def register_local(self, variable):
         """Marks `variable` as worker local: its gradient is not reduced (Horovod's model-parallel hook)."""
@@ -85,13 +91,17 @@ class GradientReducer:
             return Sum, 1.0 / f, f / basics.size()
         return self.op, 1.0, 1.0
 
-    def reduce(self, grads, variables):
+    def reduce(self, grads, variables, residuals=None):
         """Returns the reduced gradients, in the input order (None stays None).
 
         Gradients of registered local variables are not reduced (and divided
-        by size() if scale_local_gradients)."""
+        by size() if scale_local_gradients). `residuals`: with top-k
+        compression, the error-feedback variables of `variables` (in order);
+        None: the compressor's own."""
         grads = list(grads)
         variables = list(variables)
+        if residuals is not None:
+            self._residuals = {variable_key(v): r for v, r in zip(variables, residuals)}
         if basics.size() == 1:
             return grads
         if self._local:
@@ -108,6 +118,8 @@ class GradientReducer:
         return self._reduce(grads, variables)
 
     def _reduce(self, grads, variables):
+        if getattr(self.compression, "sparsifies", False):
+            return self._reduce_sparsified(grads, variables)
         out = list(grads)
         dense = []
         for i, g in enumerate(grads):
@@ -123,13 +135,7 @@ class GradientReducer:
             dense.append(i)
         if not dense:
             return out
-        plan = grouping.make_plan([out[i] for i in dense], [variables[i] for i in dense],
-                                  threshold_bytes=self.threshold_bytes, num_groups=self.num_groups,
-                                  groups=self.groups, name=self.name)
-        if plan.fingerprint not in self._verified:
-            grouping.verify_same_plan_everywhere(plan, self.name)
-            self._verified.add(plan.fingerprint)
-        self.plan = plan
+        plan = self._make_plan([out[i] for i in dense], [variables[i] for i in dense])
         op, prescale, postscale = self._scaling()
         if self.order_backprop:
             backprop_order.order_backprop([[out[dense[j]] for j in group.indices] for group in plan.groups])
@@ -138,6 +144,38 @@ class GradientReducer:
             reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=plan.collective_name(k),
                                             prescale_factor=prescale, postscale_factor=postscale,
                                             compression=self.compression, device_dense=self.device_dense)
+            for i, r in zip(members, reduced):
+                out[i] = r
+        return out
+
+    def _make_plan(self, tensors, variables):
+        plan = grouping.make_plan(tensors, variables, threshold_bytes=self.threshold_bytes,
+                                  num_groups=self.num_groups, groups=self.groups, name=self.name)
+        if plan.fingerprint not in self._verified:
+            grouping.verify_same_plan_everywhere(plan, self.name)
+            self._verified.add(plan.fingerprint)
+        self.plan = plan
+        return plan
+
+    def _reduce_sparsified(self, grads, variables):
+        """Top-k / gTop-k: each group of (densified) gradients goes to the compressor with its residuals."""
+        out = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        present = [i for i, g in enumerate(out) if g is not None]
+        if not present:
+            return out
+        plan = self._make_plan([out[i] for i in present], [variables[i] for i in present])
+        op, prescale, postscale = self._scaling()
+        if self.order_backprop:
+            backprop_order.order_backprop([[out[present[j]] for j in group.indices] for group in plan.groups])
+        for k, group in enumerate(plan.groups):
+            members = [present[j] for j in group.indices]
+            residuals = [self._residuals.get(variable_key(variables[i])) for i in members]
+            residuals = [self.compression.residual_for(variables[i]) if r is None else r
+                         for i, r in zip(members, residuals)]
+            with ops._on_device(self.device_dense):
+                reduced = self.compression.reduce([out[i] for i in members], residuals, op=op,
+                                                  prescale_factor=prescale, postscale_factor=postscale,
+                                                  name=plan.collective_name(k))
             for i, r in zip(members, reduced):
                 out[i] = r
         return out

@@ -232,6 +232,7 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
   }
   for (const FusionBucket& b : PlanFusion(items, tunables_.fusion_threshold, tunables_.direct_bytes)) {
     ++stats_->allreduce_buckets;
+    stats_->CountPayload(CollectiveType::kAllreduce, b.bytes);
     const Slot& first = slots[b.items[0]];
     std::vector<Request*> served;  // each request once, in order
     for (size_t i : b.items)
@@ -331,6 +332,7 @@ void Executor::RunAllgather(const Work& w) {
     void* in = Stage(dev, CudaDevice::kSendSlot, const_cast<void*>(w.request->inputs[t]), mine[0] * row_bytes, true);
     void* view = Stage(dev, CudaDevice::kRecvSlot, out, out_shape[0] * row_bytes, false);
     collectives_.Allgather(in, view, rows, row_bytes);
+    stats_->CountPayload(CollectiveType::kAllgather, mine[0] * row_bytes);
     Unstage(dev, out, view, out_shape[0] * row_bytes);
   }
   Settle(dev, {w.request});
@@ -350,6 +352,10 @@ void Executor::RunAlltoall(const Work& w) {
   void* in = Stage(dev, CudaDevice::kSendSlot, const_cast<void*>(w.request->inputs[0]), TensorBytes(m.tensors[0]), true);
   void* view = Stage(dev, CudaDevice::kRecvSlot, out, out_shape[0] * row, false);
   collectives_.Alltoall(in, view, m.splits, recv, row);
+  int64_t rows_to_others = 0;
+  for (size_t j = 0; j < m.splits.size(); ++j)
+    if (static_cast<int>(j) != me) rows_to_others += m.splits[j];
+  stats_->CountPayload(CollectiveType::kAlltoall, rows_to_others * row);
   Unstage(dev, out, view, out_shape[0] * row);
   Settle(dev, {w.request});
 }
@@ -374,6 +380,7 @@ void Executor::RunReducescatter(const Work& w) {
     void* in_view = Stage(dev, CudaDevice::kSendSlot, in, TensorBytes(tm), true);
     void* out_view = Stage(dev, CudaDevice::kRecvSlot, out, out_bytes, false);
     collectives_.ReduceScatter(in_view, out_view, counts, tm.dtype, m.op);
+    stats_->CountPayload(CollectiveType::kReducescatter, TensorBytes(tm));
     Unstage(dev, out, out_view, out_bytes);
     const double post = PostScale(m, mpi_->size());
     if (post != 1.0) dev.ScaleCopy({{out, out, counts[mpi_->rank()], post}}, tm.dtype);
@@ -391,6 +398,7 @@ void Executor::RunBroadcast(const Work& w) {
     if (root && out != w.request->inputs[t]) dev.ScaleCopy({{out, w.request->inputs[t], bytes, 1.0}}, DataType::kUInt8);
     void* view = Stage(dev, CudaDevice::kRecvSlot, out, bytes, root);
     collectives_.Broadcast(view, bytes, m.root);
+    if (root) stats_->CountPayload(CollectiveType::kBroadcast, bytes);
     if (!root) Unstage(dev, out, view, bytes);
   }
   Settle(dev, {w.request});

@@ -47,6 +47,18 @@ struct ExecutorStats {
   // (protocol.h): what the negotiation tree keeps at O(log N) per step.
   std::atomic<int64_t> negotiation_msgs_sent{0}, negotiation_bytes_sent{0};
   std::atomic<int64_t> negotiation_msgs_received{0}, negotiation_bytes_received{0};
+  // Payload bytes this rank handed to MPI collectives (what gradient
+  // compression saves), in total and per CollectiveType (indexed by its
+  // value; kJoin moves no payload). Allreduce and reducescatter: the whole
+  // input buffer; allgather: this rank's rows; broadcast: the root's buffer
+  // (0 elsewhere); alltoall: the rows sent to other ranks. Negotiation
+  // messages are not counted.
+  std::atomic<int64_t> payload_bytes_sent{0};
+  std::atomic<int64_t> payload_bytes_by_type[5] = {};
+  void CountPayload(CollectiveType type, int64_t bytes) {
+    payload_bytes_sent += bytes;
+    payload_bytes_by_type[static_cast<int>(type)] += bytes;
+  }
 };
 
 class Executor {

@@ -377,7 +377,14 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("negotiation_msgs_sent") = s.negotiation_msgs_sent.load(),
                     py::arg("negotiation_bytes_sent") = s.negotiation_bytes_sent.load(),
                     py::arg("negotiation_msgs_received") = s.negotiation_msgs_received.load(),
-                    py::arg("negotiation_bytes_received") = s.negotiation_bytes_received.load());
+                    py::arg("negotiation_bytes_received") = s.negotiation_bytes_received.load(),
+                    // Payload bytes handed to MPI collectives (ExecutorStats::CountPayload).
+                    py::arg("payload_bytes_sent") = s.payload_bytes_sent.load(),
+                    py::arg("payload_bytes_allreduce") = s.payload_bytes_by_type[0].load(),
+                    py::arg("payload_bytes_allgather") = s.payload_bytes_by_type[1].load(),
+                    py::arg("payload_bytes_broadcast") = s.payload_bytes_by_type[2].load(),
+                    py::arg("payload_bytes_alltoall") = s.payload_bytes_by_type[3].load(),
+                    py::arg("payload_bytes_reducescatter") = s.payload_bytes_by_type[4].load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
@@ -385,7 +392,9 @@ PYBIND11_MODULE(_core, m) {
      "thread, completion callbacks run under an engine lock (a bug if not 0), and protocol messages (and\n"
      "bytes) that never reached their peer at shutdown; allreduce buffers (and bytes) reduced hierarchically;\n"
      "the negotiation's own messages and bytes this rank sent and received (announcements and decisions, not\n"
-     "the collectives' data).");
+     "the collectives' data); payload bytes this rank handed to MPI collectives (payload_bytes_sent, and per\n"
+     "collective: allreduce and reducescatter their input, allgather this rank's rows, broadcast the root's\n"
+     "buffer, alltoall the rows sent to other ranks).");
   m.def("hierarchical", [] {
     Ctx();
     const HierarchicalChoice& c = E().hierarchical();

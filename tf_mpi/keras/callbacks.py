@@ -57,7 +57,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if opt is not None:
             if not opt.built:
                 opt.build(model.trainable_variables)
-            variables += list(opt.variables)
+            # Error-feedback residuals of top-k compression are each rank's own: not broadcast.
+            own = {id(v) for v in getattr(opt, "residual_variables", [])}
+            variables += [v for v in opt.variables if id(v) not in own]
         broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 

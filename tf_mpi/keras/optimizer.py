@@ -15,6 +15,10 @@ has a test in tests/workers/keras_worker.py):
   ``mixed_float16`` (what ``model.compile`` would wrap it in anyway).
 - ``backward_passes_per_step=k``: gradients are accumulated locally and
   reduced and applied every k-th step (communication once per k steps).
+- ``Compression.topk`` / ``gtopk``: the error-feedback residuals are optimizer
+  variables ("tfmpi_residual", created in ``build``), so ``model.save`` and
+  ``tf.train.Checkpoint`` keep them (with a LossScaleOptimizer the compressor
+  keeps them instead).
 """
 import keras
 import tensorflow as tf
@@ -24,6 +28,10 @@ from tf_mpi.compression import Compression
 from tf_mpi.reducer import GradientReducer
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+
+# GradientReducer options for optimizers Keras rebuilds inside load_model(),
+# which builds them (and so creates any residual variables) before returning.
+_options_while_loading = {}
 
 
 class _DistributedMixin:
@@ -43,7 +51,7 @@ class _DistributedMixin:
 
     def _tfmpi_get_reducer(self):
         if self._tfmpi_reducer is None:  # e.g. created by from_config / load_model
-            self._tfmpi_reducer = GradientReducer(f"Distributed{type(self).__name__}")
+            self._tfmpi_reducer = GradientReducer(f"Distributed{type(self).__name__}", **_options_while_loading)
         return self._tfmpi_reducer
 
     @property
@@ -51,8 +59,22 @@ class _DistributedMixin:
         """The grouping plan of the last traced step (tf_mpi.grouping.Plan), or None."""
         return self._tfmpi_get_reducer().plan
 
-    def _tfmpi_reduce(self, grads, variables):
-        return self._tfmpi_get_reducer().reduce(grads, variables)
+    @property
+    def residual_variables(self):
+        """The error-feedback residuals of Compression.topk / gtopk (optimizer variables; [] otherwise).
+
+        They are each rank's own state: they differ between ranks, are not
+        broadcast by BroadcastGlobalVariablesCallback, and an exact resume
+        needs each rank's own checkpoint.
+
+        Example::
+
+            synced = [v for v in opt.variables if all(v is not r for r in opt.residual_variables)]
+        """
+        return list(getattr(self, "_tfmpi_residuals", None) or [])
+
+    def _tfmpi_reduce(self, grads, variables, residuals=None):
+        return self._tfmpi_get_reducer().reduce(grads, variables, residuals)
 
     def register_local_var(self, var):
         """Keeps `var`'s gradient local: it is not reduced across ranks (Horovod's model-parallel hook).
@@ -71,7 +93,10 @@ class _DistributedMixin:
 class _DistributedPlain(_DistributedMixin):
     def _clip_gradients(self, grads):
         # Called by Keras with the filtered gradients of self._tfmpi_vars.
-        grads = self._tfmpi_reduce(grads, self._tfmpi_vars)
+        residuals = None
+        if getattr(self, "_tfmpi_residuals", None):
+            residuals = [self._tfmpi_residuals[self._get_variable_index(v)] for v in self._tfmpi_vars]
+        grads = self._tfmpi_reduce(grads, self._tfmpi_vars, residuals)
         return super()._clip_gradients(grads)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
@@ -91,6 +116,9 @@ class _DistributedPlain(_DistributedMixin):
             self._tfmpi_accumulators = [
                 self.add_variable_from_reference(v, name="tfmpi_accumulator") for v in variables]
             self._tfmpi_counter = self.add_variable((), name="tfmpi_passes", dtype="int64")
+        if not self.built and getattr(self._tfmpi_get_reducer().compression, "sparsifies", False):
+            # Error feedback of top-k compression: what this rank has not yet had reduced.
+            self._tfmpi_residuals = [self.add_variable_from_reference(v, name="tfmpi_residual") for v in variables]
         super().build(variables)
 
     def _tfmpi_apply_every_k(self, grads, trainable_variables):
@@ -150,7 +178,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       name: prefix of the collectives' names; default "Distributed<Class>".
       device_dense / device_sparse: where the collectives of dense / IndexedSlices gradients run
         (``tf.device``, as in Horovod, e.g. "/cpu:0"); '' leaves them where TensorFlow puts them.
-      compression: Compression.none or Compression.fp16 (gradients on the wire).
+      compression: Compression.none, Compression.fp16, or Compression.topk(ratio) /
+        Compression.gtopk(ratio) (sparsified with error feedback; docs/compression.md).
       sparse_as_dense: densify IndexedSlices gradients (e.g. of Embedding) and allreduce them, instead
         of allgathering their rows. Worth it when the optimizer densifies the gradient anyway (Keras 3's
         Adam, AdamW, RMSprop and SGD with momentum do) and the rows of all ranks together are a sizeable
@@ -228,11 +257,14 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     for cls in custom_optimizers or []:
         objects[cls.__name__] = _distributed_class(cls)
     objects.update(custom_objects or {})
-    model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+    options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups)
+    _options_while_loading.update(options)
+    try:
+        model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+    finally:
+        _options_while_loading.clear()
     opt = getattr(model, "optimizer", None)
     if isinstance(opt, _DistributedMixin):
-        reducer = GradientReducer(f"Distributed{type(opt).__name__}", op=op, compression=compression,
-                                  sparse_as_dense=sparse_as_dense,
-                                  gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups)
-        opt._tfmpi_configure(reducer, 1, False)
+        opt._tfmpi_configure(GradientReducer(f"Distributed{type(opt).__name__}", **options), 1, False)
     return model

@@ -1,0 +1,28 @@
+"""Top-k / gTop-k compression with error feedback under real mpirun, np=2 and np=3.
+
+tests/workers/compression_worker.py checks, on every rank: results and
+residuals bit for bit against a numpy simulation of the algorithm (ties
+included), the same result on every rank, the engine's byte counters, Keras
+fit through DistributedOptimizer, resuming from model.save / load_model and
+from tf.train.Checkpoint exactly as an uninterrupted run, and bad ratios.
+"""
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "compression_worker.py"
+# A collective that some ranks never submit fails after 60 s instead of hanging.
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+_runs = {}
+
+
+def launch(np):
+    if np not in _runs:
+        _runs[np] = run_mpi(np, WORKER, timeout=300, env=ENV)
+    return _runs[np]
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("check", check_names(WORKER))
+def test_compression(np, check):
+    assert_check(launch(np), np, check)

@@ -1,0 +1,318 @@
+"""Top-k and global top-k (gTop-k) gradient sparsification with error feedback.
+
+Each rank adds its residual (what it did not get reduced before) to its
+gradient, keeps the k = ceil(ratio * n) entries of largest magnitude and
+sends them as (index, value) pairs:
+
+- ``TopKCompressor``: the pairs of all ranks are allgathered in one
+  collective and summed; the result has up to size() * k nonzeros.
+- ``GTopKCompressor``: pairs are merged pairwise in log2(size()) rounds of
+  recursive doubling (each round one alltoall that sends only to the round's
+  partner): both partners sum their two sets and keep the k largest, so after
+  the last round every rank holds the same global k entries (Shi et al.,
+  "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification
+  for Low Bandwidth Networks", 2019). With a size() that is not a power of
+  two, P = 2**floor(log2(size())): ranks r >= P first hand their pairs to
+  rank r - P, sit out the doubling rounds and get the result back from it.
+
+Error feedback: a rank's residual becomes its accumulated gradient minus the
+part of it that made it into the result (for gTop-k, an entry of this rank
+that a merge dropped stays in its residual even if the index is selected
+later through other ranks). Residuals are variables: DistributedOptimizer
+keeps them as optimizer variables (saved by ``model.save`` and
+``tf.train.Checkpoint``); with DistributedGradientTape the compressor keeps
+them (track the compressor in your ``tf.train.Checkpoint``).
+
+Why these collectives: one allgather of k pairs per rank is one message per
+rank per step and (N-1)*8k bytes received per rank with a ring, which beats
+log2(N) pairwise rounds of 8k bytes for small N and keeps every rank's
+contribution; gTop-k's rounds move 8k*log2(N) bytes per rank however large N
+is, which is what makes it the choice for many ranks. Both use tf_mpi's
+existing collectives (an alltoall whose splits name only the partner moves
+bytes to the partner alone).
+
+All ranks sum the same pairs in the same order (the allgathered buffer is
+identical everywhere; a gTop-k merge adds exactly two values, which is
+commutative), so the reduced gradient is bitwise identical on every rank.
+The sums run on the CPU, whose segment sum adds in input order.
+"""
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tf_mpi import basics
+from tf_mpi.basics import Average, Sum
+
+_INDEX_DTYPE = tf.int32
+
+
+def _check_ratio(ratio):
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+        raise ValueError(f"tf_mpi: compression ratio must be a number in (0, 1], got {ratio!r}")
+    ratio = float(ratio)
+    if not (0.0 < ratio <= 1.0) or math.isnan(ratio):
+        raise ValueError(f"tf_mpi: compression ratio must be in (0, 1] (the fraction of entries sent), got {ratio}")
+    return ratio
+
+
+def select_topk(acc, k):
+    """Indices (int32) and values of the k entries of the 1-D `acc` with the largest magnitude.
+
+    Ties go to the lower index (tf.math.top_k's order), so every rank and the
+    numpy reference pick the same entries.
+    """
+    _, idx = tf.math.top_k(tf.abs(acc), k=k, sorted=True)
+    return idx, tf.gather(acc, idx)
+
+
+def _pack(parts):
+    """Concatenates (indices, values) pairs of several tensors into one flat uint8 buffer."""
+    chunks = []
+    for idx, val in parts:
+        chunks.append(tf.reshape(tf.bitcast(idx, tf.uint8), [-1]))
+        chunks.append(tf.reshape(tf.bitcast(val, tf.uint8), [-1]))
+    return tf.concat(chunks, 0)
+
+
+def _unpack(buf, layout):
+    """Inverse of _pack for a [rows, bytes] buffer: per tensor, ([rows * k] indices, [rows * k] values)."""
+    rows = tf.shape(buf)[0]
+    out, offset = [], 0
+    for k, dtype in layout:
+        parts = []
+        for dt in (_INDEX_DTYPE, dtype):
+            width = dt.size
+            piece = tf.reshape(buf[:, offset:offset + k * width], [rows * k, width])
+            parts.append(tf.bitcast(piece, dt))
+            offset += k * width
+        out.append(tuple(parts))
+    return out
+
+
+class SparsifyingCompressor(tf.Module):
+    """Base of Compression.topk / Compression.gtopk: keeps the k = ceil(ratio * n)
+    largest-magnitude entries of each gradient, with error feedback.
+
+    Not a Horovod compress/decompress pair: the reduction itself changes, so
+    these work through ``DistributedOptimizer`` and ``DistributedGradientTape``
+    only (``allreduce(compression=...)`` raises).
+
+    Example::
+
+        compression = hvd.Compression.topk(0.01)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression)
+    """
+
+    sparsifies = True  # the reducer hands whole gradient groups to reduce()
+
+    def __init__(self, ratio, name):
+        super().__init__(name=name)
+        self.ratio = _check_ratio(ratio)
+        # Residuals of the variables this compressor reduced (DistributedGradientTape);
+        # a tracked list, so tf.train.Checkpoint(compression=...) saves it.
+        self.residuals = []
+        self._residual_of = {}  # variable key -> position in self.residuals (not tracked)
+
+    def __repr__(self):
+        return f"Compression.{self._kind}({self.ratio})"
+
+    @staticmethod
+    def compress(tensor):
+        raise ValueError("tf_mpi: top-k / gTop-k compression changes the reduction itself and keeps per-variable "
+                         "residuals: use it through DistributedOptimizer(compression=...) or "
+                         "DistributedGradientTape(compression=...), not allreduce(compression=...)")
+
+    decompress = compress
+
+    def k(self, num_elements):
+        """Entries sent for a tensor of `num_elements`: ceil(ratio * n), at least 1."""
+        return max(1, min(int(num_elements), math.ceil(self.ratio * int(num_elements))))
+
+    def build(self, variables):
+        """Creates the residuals of `variables` now (outside tf.function), e.g. before restoring a checkpoint.
+
+        Example::
+
+            compression = hvd.Compression.topk(0.01)
+            compression.build(model.trainable_variables)
+            tf.train.Checkpoint(model=model, compression=compression).restore(path)
+        """
+        for v in variables:
+            self.residual_for(v)
+
+    def residual_for(self, variable):
+        """The residual variable kept for `variable` (created zero on first use)."""
+        from tf_mpi.reducer import variable_key
+        key = variable_key(variable)
+        if key not in self._residual_of:
+            shape = variable.shape
+            with tf.init_scope():
+                name = getattr(variable, "path", None) or getattr(variable, "name", "var")
+                r = tf.Variable(tf.zeros(shape, tf.as_dtype(variable.dtype)), trainable=False,
+                                name="tfmpi_residual/" + str(name).replace(":", "_"))
+            self._residual_of[key] = len(self.residuals)
+            self.residuals.append(r)
+        return self.residuals[self._residual_of[key]]
+
+    def reduce(self, grads, residuals, op=Average, prescale_factor=1.0, postscale_factor=1.0, name="topk"):
+        """Sparsified reduction of dense `grads` with error feedback through `residuals` (variables).
+
+        Returns the reduced gradients (dense, the same on every rank) and
+        updates each residual to what this rank's contribution left out.
+        """
+        if op not in (Average, Sum):
+            raise ValueError("tf_mpi: top-k compression reduces with op=Average or op=Sum")
+        with tf.name_scope(self._kind):
+            flat, shapes, parts, layout = [], [], [], []
+            for g, r in zip(grads, residuals):
+                g = tf.convert_to_tensor(g)
+                if not g.dtype.is_floating:
+                    raise ValueError(f"tf_mpi: top-k compression needs floating-point gradients, got {g.dtype.name}")
+                n = g.shape.num_elements()
+                if n is None:
+                    raise ValueError("tf_mpi: top-k compression needs gradients of a fully known static shape, "
+                                     f"got {g.shape}")
+                if n >= 2 ** 31:
+                    raise ValueError(f"tf_mpi: top-k compression indexes with int32; a gradient of {n} entries is "
+                                     "too large")
+                acc = tf.reshape(g + tf.cast(r, g.dtype), [-1])
+                idx, val = select_topk(acc, self.k(n))
+                if prescale_factor != 1.0:
+                    val = val * tf.cast(prescale_factor, val.dtype)
+                flat.append(acc)
+                shapes.append(g.shape)
+                parts.append((idx, val))
+                layout.append((self.k(n), g.dtype))
+            if not parts:
+                return []
+            with tf.device("/cpu:0"):
+                results, included = self._exchange(parts, layout, [a.shape[0] for a in flat], name)
+            scale = postscale_factor / basics.size() if op == Average else postscale_factor
+            out = []
+            for acc, shape, res, dense, keep in zip(flat, shapes, residuals, results, included):
+                if scale != 1.0:
+                    dense = dense * tf.cast(scale, dense.dtype)
+                res.assign(tf.cast(tf.reshape(tf.where(keep, tf.zeros_like(acc), acc), shape), res.dtype))
+                out.append(tf.reshape(dense, shape))
+            return out
+
+    def _exchange(self, parts, layout, sizes, name):
+        """Returns per tensor the reduced dense flat tensor and the mask of this rank's entries it includes."""
+        raise NotImplementedError
+
+
+class TopKCompressor(SparsifyingCompressor):
+    """Each rank sends its k largest-magnitude entries; the result is the sum of all ranks' entries.
+
+    One allgather per gradient group; k = ceil(ratio * n) (index, value)
+    pairs per rank and tensor, i.e. 8k bytes for float32 instead of 4n.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.topk(0.01))
+    """
+
+    _kind = "topk"
+
+    def _exchange(self, parts, layout, sizes, name):
+        gathered = tf.reshape(_mpi().allgather(_pack(parts), name=f"{name}.topk"), [basics.size(), -1])
+        results, included = [], []
+        for (idx, _), (all_idx, all_val), n in zip(parts, _unpack(gathered, layout), sizes):
+            results.append(tf.math.unsorted_segment_sum(all_val, all_idx, n))
+            included.append(_mask(idx, n))  # everything a rank sends is in the sum
+        return results, included
+
+
+class GTopKCompressor(SparsifyingCompressor):
+    """Global top-k: every rank ends with the same k entries of the summed sparse gradients.
+
+    log2(size()) rounds of pairwise merges (recursive doubling, each an
+    alltoall that sends only to the partner): 8k bytes per rank and round for
+    float32. A size() that is not a power of two adds one round before and one
+    after for the ranks past the largest power of two and their partners.
+
+    Example::
+
+        tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.gtopk(0.01))
+    """
+
+    _kind = "gtopk"
+
+    def _exchange(self, parts, layout, sizes, name):
+        n_ranks, me = basics.size(), basics.rank()
+        pow2 = 1 << (n_ranks.bit_length() - 1)
+        ks = [k for k, _ in layout]
+        sets = list(parts)
+        # path[t]: indices that survived every merge on this rank's path (1) or not (0).
+        path = [tf.ones([n], tf.int32) for n in sizes]
+
+        def round_trip(payload, partner, tag, recv_layout):
+            """One alltoall in which this rank sends `payload` to `partner` only (or nothing)."""
+            splits = [0] * n_ranks
+            if partner is not None:
+                splits[partner] = payload.shape[0]
+            else:
+                payload = tf.zeros([0], tf.uint8)
+            received, _ = _mpi().alltoall(payload, splits=splits, name=f"{name}.gtopk.{tag}")
+            return None if recv_layout is None else _unpack(tf.reshape(received, [1, -1]), recv_layout)
+
+        # Before: ranks past the power of two hand their pairs to rank - pow2.
+        if n_ranks > pow2:
+            if me >= pow2:
+                round_trip(_pack(sets), me - pow2, "pre", None)
+            elif me + pow2 < n_ranks:
+                other = round_trip(None, None, "pre", layout)
+                sets, path = self._merge(sets, other, ks, sizes, path)
+            else:
+                round_trip(None, None, "pre", None)
+        # Recursive doubling among the first pow2 ranks.
+        for j in range(pow2.bit_length() - 1):
+            if me < pow2:
+                other = round_trip(_pack(sets), me ^ (1 << j), f"round{j}", layout)
+                sets, path = self._merge(sets, other, ks, sizes, path)
+            else:
+                round_trip(None, None, f"round{j}", None)
+        # After: the result back to the ranks past the power of two, each index
+        # sent as its bitwise complement where their partner's path dropped it.
+        if n_ranks > pow2:
+            if me >= pow2:
+                got = round_trip(None, None, "post", layout)
+                sets = [(tf.where(i < 0, tf.bitwise.invert(i), i), v) for i, v in got]
+                path = [tf.scatter_nd(j[:, None], tf.cast(i >= 0, tf.int32), [n])
+                        for (i, _), (j, _), n in zip(got, sets, sizes)]
+            elif me + pow2 < n_ranks:
+                marked = [(tf.where(tf.gather(p, i) > 0, i, tf.bitwise.invert(i)), v) for (i, v), p in zip(sets, path)]
+                round_trip(_pack(marked), me + pow2, "post", None)
+            else:
+                round_trip(None, None, "post", None)
+        results = [tf.scatter_nd(i[:, None], v, [n]) for (i, v), n in zip(sets, sizes)]
+        included = [tf.logical_and(_mask(idx, n), p > 0) for (idx, _), p, n in zip(parts, path, sizes)]
+        return results, included
+
+    @staticmethod
+    def _merge(mine, other, ks, sizes, path):
+        """Sums two sets of pairs per tensor and keeps the k largest; the same on both partners."""
+        merged, new_path = [], []
+        for (ia, va), (ib, vb), k, n, p in zip(mine, other, ks, sizes, path):
+            idx = tf.concat([ia, ib], 0)
+            val = tf.concat([va, vb], 0)
+            union = tf.sort(tf.unique(idx).y)  # ascending: a canonical order on both partners
+            seg = tf.searchsorted(union, idx)
+            summed = tf.math.unsorted_segment_sum(val, seg, tf.size(union))  # at most two addends
+            _, pos = tf.math.top_k(tf.abs(summed), k=k, sorted=True)   # ties: lower index
+            keep_idx = tf.gather(union, pos)
+            merged.append((keep_idx, tf.gather(summed, pos)))
+            new_path.append(p * _mask(keep_idx, n, tf.int32))
+        return merged, new_path
+
+
+def _mask(idx, n, dtype=tf.bool):
+    """A length-n vector that is true (1) at `idx` (distinct indices)."""
+    hit = tf.scatter_nd(idx[:, None], tf.ones_like(idx), [n])
+    return hit > 0 if dtype == tf.bool else tf.cast(hit, dtype)
+
+
+def _mpi():
+    from tf_mpi import ops  # imported late: ops imports compression, which imports this module
+    return ops

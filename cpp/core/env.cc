@@ -7,6 +7,12 @@
 
 namespace tfmpi {
 
+namespace {
+// Measured with benchmarks/allreduce_bench.py (docs/performance.md).
+constexpr int64_t kShmMinBytesDefault = 0;
+constexpr int64_t kShmChunkBytesDefault = 256 << 10;
+}  // namespace
+
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
@@ -59,6 +65,13 @@ EngineConfig EngineConfig::FromEnv() {
   // enough that the pipeline's fill and drain (one chunk each way) stay short.
   c.gpu_chunk_bytes = EnvInt("TF_MPI_GPU_CHUNK_BYTES", 4 << 20);
   if (c.gpu_chunk_bytes <= 0) c.gpu_chunk_bytes = 4 << 20;
+  const char* shm = std::getenv("TF_MPI_SHM");
+  c.shm = shm && *shm ? shm : "auto";
+  if (c.shm != "auto" && c.shm != "0" && c.shm != "1")
+    throw std::invalid_argument("tf_mpi: TF_MPI_SHM=" + c.shm + " is not auto, 0 or 1");
+  c.shm_min_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_SHM_MIN_BYTES", kShmMinBytesDefault));
+  c.shm_chunk_bytes = EnvInt("TF_MPI_SHM_CHUNK_BYTES", kShmChunkBytesDefault);
+  if (c.shm_chunk_bytes <= 0) c.shm_chunk_bytes = kShmChunkBytesDefault;
   return c;
 }
 
@@ -68,7 +81,8 @@ std::string EngineConfig::ToString() const {
      << (autotune == AutotuneScope::kAll ? "1" : autotune == AutotuneScope::kPlan ? "plan" : "0") << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us << " yield_bytes=" << yield_bytes
-     << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes;
+     << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes << " shm=" << shm
+     << " shm_min_bytes=" << shm_min_bytes << " shm_chunk_bytes=" << shm_chunk_bytes;
   return os.str();
 }
 

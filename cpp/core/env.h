@@ -29,6 +29,10 @@ struct EngineConfig {
   int64_t yield_bytes;             // TF_MPI_YIELD_BYTES: MPI calls this big yield the CPU while waiting; 0: never
   std::string cuda_aware;          // TF_MPI_CUDA_AWARE: auto (ask the MPI), 1 (direct transport), 0 (staged)
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
+  // Shared-memory allreduce (shm_allreduce.h); rank 0's values apply on every rank.
+  std::string shm;                 // TF_MPI_SHM: auto (when it pays), 1 (whenever possible), 0 (never)
+  int64_t shm_min_bytes;           // TF_MPI_SHM_MIN_BYTES: smaller allreduces keep the MPI path (auto and 1)
+  int64_t shm_chunk_bytes;         // TF_MPI_SHM_CHUNK_BYTES: bytes of a buffer one pipeline step reduces
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

@@ -17,6 +17,7 @@
 #include "gpu_transport.h"
 #include "request.h"
 #include "response_cache.h"
+#include "shm_allreduce.h"
 #include "timeline.h"
 #include "wire.h"
 
@@ -38,6 +39,8 @@ struct ExecutorStats {
   std::atomic<int64_t> gpu_requests{0}, gpu_staged_bytes{0}, gpu_direct_bytes{0};
   std::atomic<int64_t> inline_batches{0}, inline_max_batch_bytes{0}, deferred_batches{0};
   std::atomic<int64_t> callbacks_under_lock{0}, undelivered_messages{0}, undelivered_bytes{0};
+  // Allreduce buckets (and their bytes) that ran over shared memory (shm_allreduce.h).
+  std::atomic<int64_t> shm_allreduces{0}, shm_bytes{0};
 };
 
 class Executor {
@@ -47,7 +50,7 @@ class Executor {
       : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes, config.yield_bytes),
         gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
         managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
-        stats_(stats), timeline_(timeline) {}
+        stats_(stats), timeline_(timeline), shm_(ShmCollectives::Create(mpi, config)) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
@@ -83,6 +86,13 @@ class Executor {
   void Unstage(Device& dev, void* ptr, void* view, int64_t bytes);
   // Reduces `buf` in place on `dev`.
   void ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dtype, ReduceOp op);
+  // The one place that picks the transport of a host allreduce: shared
+  // memory (shm_allreduce.h) when it is set up and chooses `bytes`, which
+  // every rank answers alike.
+  bool UseShm(const Device& dev, int64_t bytes) const { return shm_ && dev.is_host() && shm_->Chooses(bytes); }
+  // The shared-memory allreduce; fails `reqs` if it fails. Returns timeline args to add.
+  std::string RunShm(const std::vector<Request*>& reqs, const void* in, void* out, int64_t count, DataType dtype,
+                     ReduceOp op, double prescale, double postscale);
   // Waits for `dev`, and fails `reqs` with its error if it had one.
   void Settle(Device& dev, const std::vector<Request*>& reqs);
 
@@ -106,6 +116,7 @@ class Executor {
   Timeline* timeline_;
   std::chrono::steady_clock::time_point decided_;  // when the running batch was decided/received
   int64_t bucket_id_ = 0;
+  std::unique_ptr<ShmCollectives> shm_;  // null: every allreduce takes the MPI path
 };
 
 }  // namespace tfmpi

@@ -121,14 +121,13 @@ Status MpiContext::Init(const InitOptions& opts) {
   MPI_Comm_size(comm_, &size_);
 
   // local = ranks sharing this node's memory; cross = same local rank on each node.
-  MPI_Comm local, cross;
-  MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
-  MPI_Comm_rank(local, &local_rank_);
-  MPI_Comm_size(local, &local_size_);
+  MPI_Comm cross;
+  MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_comm_);
+  MPI_Comm_rank(local_comm_, &local_rank_);
+  MPI_Comm_size(local_comm_, &local_size_);
   MPI_Comm_split(comm_, local_rank_, rank_, &cross);
   MPI_Comm_rank(cross, &cross_rank_);
   MPI_Comm_size(cross, &cross_size_);
-  MPI_Comm_free(&local);
   MPI_Comm_free(&cross);
 
   MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
@@ -149,10 +148,13 @@ void MpiContext::Release() {
   // sequence number of the new engine's first message from that peer, which
   // then is never delivered (tests/workers/hardening_worker.py, "stale").
   // One communicator per init() is kept until MPI_Finalize.
-  if (comm_ != MPI_COMM_NULL) {
-    static auto* kept = new std::vector<MPI_Comm>();
-    kept->push_back(comm_);
-    comm_ = MPI_COMM_NULL;
+  // The node communicator is kept with it: a shared-memory window allocated
+  // over it is kept too (shm_segment.h).
+  static auto* kept = new std::vector<MPI_Comm>();
+  for (MPI_Comm* c : {&comm_, &local_comm_}) {
+    if (*c == MPI_COMM_NULL) continue;
+    kept->push_back(*c);
+    *c = MPI_COMM_NULL;
   }
   if (half_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&half_type_);
   for (auto& row : half_ops_)

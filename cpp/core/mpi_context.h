@@ -31,6 +31,9 @@ class MpiContext {
   static bool ThreadMultiple();
 
   MPI_Comm comm() const { return comm_; }
+  // The ranks of comm() that share this node's memory (MPI_COMM_TYPE_SHARED),
+  // ordered as in comm(); what the shared-memory collectives run over.
+  MPI_Comm local_comm() const { return local_comm_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }
@@ -44,6 +47,7 @@ class MpiContext {
 
  private:
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm local_comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;
   // [0] float16, [1] bfloat16; each indexed by ReduceOp (Sum, Min, Max, Product).

@@ -6,6 +6,9 @@
 //   MEMCPY_IN_FUSION_BUFFER / MPI_ALLREDUCE / MEMCPY_OUT_FUSION_BUFFER
 //               the fused bucket's phases, on every member's track, with the
 //               bucket id and its member count in args (so fusion is visible)
+//               (SHM_ALLREDUCE instead of MPI_ALLREDUCE when the bucket ran
+//               over shared memory, shm_allreduce.h, with the microseconds it
+//               waited on its peers in args)
 //   MPI_ALLGATHER, MPI_BROADCAST, ... for the other collectives
 // The file is a complete JSON document after Stop() (also called at shutdown).
 #pragma once

@@ -368,13 +368,18 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("deferred_batches") = s.deferred_batches.load(),
                     py::arg("callbacks_under_lock") = s.callbacks_under_lock.load(),
                     py::arg("undelivered_messages") = s.undelivered_messages.load(),
-                    py::arg("undelivered_bytes") = s.undelivered_bytes.load());
+                    py::arg("undelivered_bytes") = s.undelivered_bytes.load(),
+                    // shared-memory allreduce (shm_allreduce.h)
+                    py::arg("shm_allreduces") = s.shm_allreduces.load(), py::arg("shm_bytes") = s.shm_bytes.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
      "batches a caller's thread executed inline (and the largest, in bytes), batches it left to the engine\n"
      "thread, completion callbacks run under an engine lock (a bug if not 0), and protocol messages (and\n"
-     "bytes) that never reached their peer at shutdown.");
+     "bytes) that never reached their peer at shutdown; allreduce buckets (and bytes) that ran over shared memory.");
+  m.def("set_shm_paused", [](bool paused) { ShmCollectives::SetPaused(paused); },
+        "Testing/benchmark hook: while paused, allreduces take the MPI path instead of shared memory. Call it on\n"
+        "every rank at the same point with no collective in flight (e.g. after a barrier), or ranks disagree.");
   py::class_<DeviceArray, std::shared_ptr<DeviceArray>>(
       m, "DeviceArray",
       "GPU memory holding a collective's result; use it through __cuda_array_interface__, e.g. cupy.asarray(a).")

@@ -97,6 +97,7 @@ struct ShmSegment::Control {
 std::unique_ptr<ShmSegment> ShmSegment::Create(MPI_Comm local, int64_t slot_bytes, int buffers, double stall_limit_s,
                                                std::string* why) {
   std::unique_ptr<ShmSegment> s(new ShmSegment());
+  s->local_ = local;
   MPI_Comm_rank(local, &s->rank_);
   MPI_Comm_size(local, &s->size_);
   s->buffers_ = buffers;
@@ -164,6 +165,11 @@ void ShmSegment::Publish(Flag f, uint64_t value) {
   control(rank_)->counters[f].value.store(value, std::memory_order_release);
 }
 
+void ShmSegment::ProgressMpi() const {
+  int flag = 0;
+  MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, local_, &flag, MPI_STATUS_IGNORE);  // nothing is ever sent on it
+}
+
 Status ShmSegment::CheckPeers() const {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
@@ -194,6 +200,7 @@ Status ShmSegment::WaitFor(int peer, Flag f, uint64_t value) {
   }
   auto next_check = start + kCheckEvery;
   for (;;) {
+    ProgressMpi();
     if (now - start < kYieldFor) sched_yield();
     else std::this_thread::sleep_for(kNap);
     if (flag.load(std::memory_order_acquire) >= value) break;

@@ -28,7 +28,11 @@
 // Waiting (WaitFor) spins for a few microseconds, then yields the CPU
 // (sched_yield) and after a few milliseconds sleeps in short naps, so a
 // rank waiting on a descheduled peer (more ranks than cores) lets it run.
-// While yielding or napping it checks every few milliseconds that the peers
+// While yielding or napping it also lets MPI progress (an MPI_Iprobe on the
+// node communicator): a peer may be waiting for a message this rank has
+// already handed to MPI (rank 0's decisions are sent with MPI_Isend) and
+// that MPI moves only when this rank calls into it, as it would inside an
+// MPI collective. While yielding or napping it checks every few milliseconds that the peers
 // are alive (their pid still exists and is not a zombie) and have not given
 // up (their aborted flag): a peer that died or gave up turns the wait into an
 // error, this rank raises its own aborted flag so that ranks waiting on it
@@ -98,6 +102,10 @@ class ShmSegment {
   // Whether the peers are alive and have not given up; checked while waiting.
   Status CheckPeers() const;
 
+  // Lets MPI progress the requests this rank has pending.
+  void ProgressMpi() const;
+
+  MPI_Comm local_ = MPI_COMM_NULL;
   MPI_Win win_ = MPI_WIN_NULL;
   int rank_ = 0, size_ = 1, buffers_ = 0;
   int64_t slot_bytes_ = 0;

@@ -250,6 +250,26 @@ def check_join_contributes_identity():
     assert shm_count() - before == 3 * (2 + N - 1), f"{shm_count() - before} shared-memory buckets"
 
 
+def check_many_tensors_with_long_names_in_one_function():
+    # A batch this large makes rank 0's decision message long enough that MPI
+    # moves it only while rank 0 calls into MPI: a rank waiting on shared
+    # memory must keep MPI progressing, or its peer never learns what to run.
+    names = [f"many.{i:03d}." + "x" * 300 for i in range(60)]
+
+    @tf.function
+    def many(k):
+        return [hvd.allreduce(tf.fill([300 + i], tf.cast(k + R, tf.float32)), op=hvd.Sum, name=n)
+                for i, n in enumerate(names)]
+
+    before = shm_count()
+    for k in range(3):
+        outs = many(tf.constant(k))
+        for i, o in enumerate(outs):
+            assert o.shape == (300 + i,) and np.all(o.numpy() == sum(k + r for r in range(N))), f"tensor {i}"
+    if SHM != "0":
+        assert shm_count() > before
+
+
 def check_tensorflow_ops_fused_and_timeline():
     # hvd.allreduce ops in one tf.function are fused by the engine; the
     # timeline shows the shared-memory phase with its fusion copies around it.

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "logging.h"
 #include "scale.h"
 
@@ -63,6 +65,13 @@ std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, co
   else if (mpi->local_size() != mpi->size())
     why = "the ranks span several nodes (" + std::to_string(mpi->local_size()) + " of " +
           std::to_string(mpi->size()) + " share this one)";
+  else if (mode == Mode::kAuto && mpi->local_size() > sysconf(_SC_NPROCESSORS_ONLN))
+    // More ranks than cores: a rank waiting on shared memory for a
+    // descheduled peer measured no faster than the MPI path (3 ranks on 2
+    // cores), so auto leaves it to MPI. The node's core count is the same on
+    // every rank, so every rank decides alike.
+    why = std::to_string(mpi->local_size()) + " ranks share " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) +
+          " cores (TF_MPI_SHM=1 uses shared memory anyway)";
   std::unique_ptr<ShmCollectives> shm;
   if (why.empty()) shm = ForNode(mpi->local_comm(), settings[2], settings[1], config.stall_shutdown_s, &why);
   if (!shm && mode == Mode::kOn && mpi->rank() == 0)

@@ -63,8 +63,8 @@ class ShmCollectives {
   // For the executor: collective over mpi->comm() (every rank calls it at
   // init). Takes rank 0's TF_MPI_SHM* settings on every rank, so that every
   // rank chooses alike; returns nullptr when the path is off (TF_MPI_SHM=0,
-  // the ranks span several nodes, one rank, or no usable segment: the last
-  // two logged when TF_MPI_SHM=1).
+  // the ranks span several nodes, one rank, no usable segment, or, for
+  // auto only, more ranks than the node has cores; logged when TF_MPI_SHM=1).
   static std::unique_ptr<ShmCollectives> Create(const MpiContext* mpi, const EngineConfig& config);
   // For a node-local stage over `local` (all of it calls this, with the same
   // arguments): nullptr and `*why` when no segment could be set up.

@@ -34,6 +34,19 @@ ours/raw.
 Before timing, results are checked (inputs of ones must reduce to size*ones,
 inputs of rank+1 to size*(size+1)/2); the run aborts if they are wrong.
 
+Shared-memory allreduce (TF_MPI_SHM, on by default when every rank shares
+the node): every tf_mpi measurement is taken twice in the same run, samples
+interleaved: "ours" (the engine as configured, so over shared memory) and
+"ours mpi" (the same calls with the shared-memory path paused through the
+_core.set_shm_paused hook, i.e. the MPI path, which is what TF_MPI_SHM=0
+runs). With TF_MPI_SHM=0 in the environment both columns are the MPI path.
+
+Memory bound: for each size, every rank at once times numpy adding 1/size of
+the data (np.add into a third array) and copying the other (size-1)/size
+(np.copyto): the memory traffic of an allreduce in which each rank reduces
+its share in place and copies the others' results. Results are also shown as
+multiples of it ("x bound").
+
 The closing target lines (PASS/FAIL) are informational; the exit code is 0
 whenever the results were correct.
 """
@@ -122,7 +135,8 @@ def time_interleaved(fns, repeats, k, label):
             for _ in range(k):
                 outputs = fn()
             samples[name][i] = (time.perf_counter() - t0) / k
-            if not all(np.allclose(np.asarray(o), expected, rtol=1e-6, atol=0) for o in outputs):
+            if expected is not None and not all(np.allclose(np.asarray(o), expected, rtol=1e-6, atol=0)
+                                                for o in outputs):
                 wrong.append(f"rank {comm.rank}: {name}, sample {i}: result is not all {expected}")
     if not comm.allreduce(not wrong, op=MPI.LAND):
         for line in (w for per_rank in comm.gather(wrong, root=0) or [] for w in per_rank):
@@ -148,6 +162,37 @@ def make_ours(tensors, name):
     def reduce_all(ts):
         return [hvd.allreduce(t, op=hvd.Sum, name=f"{name}.{i}") for i, t in enumerate(ts)]
     return lambda: reduce_all(tensors)
+
+
+def mpi_path(fn):
+    """fn with the shared-memory path paused (the MPI path), as TF_MPI_SHM=0 would run it.
+
+    Safe between synchronous calls: a collective executes only after every
+    rank has submitted it, so every rank has switched before it runs.
+    """
+    def run():
+        basics._core.set_shm_paused(True)
+        try:
+            return fn()
+        finally:
+            basics._core.set_shm_paused(False)
+    return run
+
+
+def make_bound(nbytes):
+    """numpy: add 1/size of `nbytes` of float32, copy the remaining (size-1)/size (the memory bound)."""
+    n = nbytes // 4
+    share = max(1, n // comm.size)
+    a, b, c = np.ones(share, np.float32), np.ones(share, np.float32), np.empty(share, np.float32)
+    rest = n - share
+    src, dst = np.ones(max(rest, 1), np.float32), np.empty(max(rest, 1), np.float32)
+
+    def run():
+        np.add(a, b, out=c)
+        if rest:
+            np.copyto(dst, src)
+        return []
+    return run
 
 
 def make_chain(tensor, length):
@@ -239,9 +284,11 @@ def fmt(stats, scale):
 
 def bench_sizes(repeats_override):
     log("\n(a) single float32 tensor, op=Sum: median [IQR p25-p75] per allreduce")
-    log("  (tf floor: the same tf.function with tf.identity instead of the allreduce = TF's per-call cost)")
-    log(f"{'size':>8} {'KxN':>7} | {'tf_mpi (ours)':>30} | {'raw MPI_Allreduce':>30} | {'ours/raw':>8} "
-        f"{'ours-raw':>12} | {'tf floor':>9}")
+    log("  ours = the engine as configured (shared memory when active); ours mpi = the same calls on the MPI path;")
+    log("  bound = numpy add of 1/size + copy of the rest on every rank at once (memory bound);")
+    log("  tf floor = the same tf.function with tf.identity instead of the allreduce (TF's per-call cost)")
+    log(f"{'size':>8} {'KxN':>7} | {'ours':>24} | {'ours mpi':>24} | {'raw MPI_Allreduce':>24} | "
+        f"{'bound':>8} | {'ours/raw':>8} {'ours/mpi':>8} {'x bound':>7} {'mpi x bound':>11} | {'tf floor':>9}")
     results = []
     for nbytes in SIZES:
         n = nbytes // 4
@@ -250,38 +297,50 @@ def bench_sizes(repeats_override):
         ours = make_ours([ours_input], f"bench{nbytes}")
         src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
         floor = tf.function(tf.identity)
-        fns = {"ours": (ours, comm.size), "raw": (make_raw(src, dst), comm.size),
+        fns = {"ours": (ours, comm.size), "ours_mpi": (mpi_path(ours), comm.size),
+               "raw": (make_raw(src, dst), comm.size), "bound": (make_bound(nbytes), None),
                "tf_floor": (lambda: [floor(ours_input)], 1.0)}
         if nbytes < MiB:
-            fns["ours_chain"] = (make_chain(ours_input, CHAIN), 1.0)
-            fns["ours_chain"][0]()
+            chain = make_chain(ours_input, CHAIN)
+            fns["ours_chain"] = (chain, 1.0)
+            fns["ours_mpi_chain"] = (mpi_path(chain), 1.0)
+            chain()
         k = calls_per_sample(fns["ours"][0])
-        fns["raw"][0]()
-        fns["tf_floor"][0]()
+        for name in fns:
+            fns[name][0]()
         repeats = repeats_override or default_repeats(nbytes)
         r = time_interleaved(fns, repeats, k, f"{human_bytes(nbytes)} tensor")
-        if "ours_chain" in r:
-            for key in ("median_s", "p25_s", "p75_s", "min_s", "max_s"):
-                r["ours_chain"][key] /= CHAIN
-        ratio = r["ours"]["median_s"] / r["raw"]["median_s"]
-        delta = r["ours"]["median_s"] - r["raw"]["median_s"]
+        for name in ("ours_chain", "ours_mpi_chain"):
+            if name in r:
+                for key in ("median_s", "p25_s", "p75_s", "min_s", "max_s"):
+                    r[name][key] /= CHAIN
+        med = {name: v["median_s"] for name, v in r.items()}
+        ratio = med["ours"] / med["raw"]
+        delta = med["ours"] - med["raw"]
         scale, unit = unit_for(nbytes)
-        log(f"{human_bytes(nbytes):>8} {f'{k}x{repeats}':>7} | {fmt(r['ours'], scale) + ' ' + unit:>30} | "
-            f"{fmt(r['raw'], scale) + ' ' + unit:>30} | {ratio:7.2f}x {signed(delta * scale):>9} {unit} | "
-            f"{num(r['tf_floor']['median_s'] * scale):>6} {unit}")
-        results.append(dict(bytes=nbytes, elements=n, ours=r["ours"], raw=r["raw"],
-                            tf_function_floor=r["tf_floor"], ratio_median=ratio, overhead_median_s=delta))
+        log(f"{human_bytes(nbytes):>8} {f'{k}x{repeats}':>7} | {fmt(r['ours'], scale) + ' ' + unit:>24} | "
+            f"{fmt(r['ours_mpi'], scale) + ' ' + unit:>24} | {fmt(r['raw'], scale) + ' ' + unit:>24} | "
+            f"{num(med['bound'] * scale) + ' ' + unit:>8} | {ratio:7.2f}x {med['ours'] / med['ours_mpi']:7.2f}x "
+            f"{med['ours'] / med['bound']:6.1f}x {med['ours_mpi'] / med['bound']:10.1f}x | "
+            f"{num(med['tf_floor'] * scale):>6} {unit}")
+        results.append(dict(bytes=nbytes, elements=n, ours=r["ours"], ours_mpi=r["ours_mpi"], raw=r["raw"],
+                            memory_bound=r["bound"], tf_function_floor=r["tf_floor"], ratio_median=ratio,
+                            ratio_vs_mpi_path=med["ours"] / med["ours_mpi"],
+                            ratio_vs_bound=med["ours"] / med["bound"],
+                            mpi_path_ratio_vs_bound=med["ours_mpi"] / med["bound"], overhead_median_s=delta))
         if nbytes < MiB:
             engine = bench_engine_only(n)
-            log(f"{'':>8} {'':>7} | {num(engine * scale) + ' ' + unit:>30}   per op, numpy through the engine "
-                f"(no TensorFlow): ours-raw {signed((engine - r['raw']['median_s']) * scale)} {unit}")
+            log(f"{'':>8} {'':>7} | {num(engine * scale) + ' ' + unit:>24}   per op, numpy through the engine "
+                f"(no TensorFlow): ours-raw {signed((engine - med['raw']) * scale)} {unit}")
             results[-1]["engine_only_median_s"] = engine
         if "ours_chain" in r:
-            c = r["ours_chain"]
-            log(f"{'':>8} {'':>7} | {fmt(c, scale) + ' ' + unit:>30}   per op, in a chain of {CHAIN} ops in one "
-                f"tf.function: ours-raw {signed((c['median_s'] - r['raw']['median_s']) * scale)} {unit}")
-            results[-1].update(ours_per_op_in_chain=c, chain_length=CHAIN,
-                               chain_overhead_median_s=c["median_s"] - r["raw"]["median_s"])
+            c, cm = r["ours_chain"], r["ours_mpi_chain"]
+            log(f"{'':>8} {'':>7} | {fmt(c, scale) + ' ' + unit:>24} | {fmt(cm, scale) + ' ' + unit:>24}   per op, "
+                f"in a chain of {CHAIN} ops in one tf.function: ours-raw {signed((c['median_s'] - med['raw']) * scale)}"
+                f" {unit}, ours mpi-raw {signed((cm['median_s'] - med['raw']) * scale)} {unit}")
+            results[-1].update(ours_per_op_in_chain=c, ours_mpi_per_op_in_chain=cm, chain_length=CHAIN,
+                               chain_overhead_median_s=c["median_s"] - med["raw"],
+                               mpi_chain_overhead_median_s=cm["median_s"] - med["raw"])
     return results
 
 
@@ -314,25 +373,33 @@ def bench_storm(repeats_override):
     ours = make_ours([tf.ones(s, tf.float32) for s in shapes], "storm")
     src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
     fns = {"ours": (ours, comm.size),
+           "ours_mpi": (mpi_path(ours), comm.size),
            "raw_flat": (make_raw(src, dst), comm.size),
-           "raw_chunked": (make_raw(src, dst, CHUNK_BYTES // 4), comm.size)}
+           "raw_chunked": (make_raw(src, dst, CHUNK_BYTES // 4), comm.size),
+           "bound": (make_bound(n * 4), None)}
     k = calls_per_sample(fns["ours"][0])
-    fns["raw_flat"][0]()
-    fns["raw_chunked"][0]()
+    for name in fns:
+        fns[name][0]()
     repeats = repeats_override or default_repeats(n * 4)
     r = time_interleaved(fns, repeats, k, "gradient storm")
     labels = {"ours": f"tf_mpi, {len(shapes)} ops",
+              "ours_mpi": f"tf_mpi mpi path, {len(shapes)} ops",
               "raw_flat": "raw, 1 flat Allreduce",
-              "raw_chunked": f"raw, {-(-n // (CHUNK_BYTES // 4))} x 1 MiB Allreduce"}
+              "raw_chunked": f"raw, {-(-n // (CHUNK_BYTES // 4))} x 1 MiB Allreduce",
+              "bound": "memory bound (numpy)"}
+    bound = r["bound"]["median_s"]
     for name, label in labels.items():
-        log(f"  {label:<30} {fmt(r[name], 1e3) + ' ms':>22}   min {num(r[name]['min_s'] * 1e3)} "
-            f"max {num(r[name]['max_s'] * 1e3)} ms  ({k}x{repeats})")
+        log(f"  {label:<32} {fmt(r[name], 1e3) + ' ms':>22}   min {num(r[name]['min_s'] * 1e3)} "
+            f"max {num(r[name]['max_s'] * 1e3)} ms  ({k}x{repeats})  {r[name]['median_s'] / bound:5.2f}x bound")
     ratio_flat = r["ours"]["median_s"] / r["raw_flat"]["median_s"]
     ratio_chunked = r["ours"]["median_s"] / r["raw_chunked"]["median_s"]
+    ratio_mpi_path = r["ours"]["median_s"] / r["ours_mpi"]["median_s"]
     log(f"  ours / raw flat    = {ratio_flat:.2f}x")
-    log(f"  ours / raw chunked = {ratio_chunked:.2f}x")
+    log(f"  ours / raw chunked = {ratio_chunked:.2f}x   (mpi path / raw chunked = "
+        f"{r['ours_mpi']['median_s'] / r['raw_chunked']['median_s']:.2f}x)")
+    log(f"  ours / mpi path    = {ratio_mpi_path:.2f}x")
     return dict(num_tensors=len(shapes), elements=n, bytes=n * 4, chunk_bytes=CHUNK_BYTES, **r,
-                ratio_vs_flat=ratio_flat, ratio_vs_chunked=ratio_chunked)
+                ratio_vs_flat=ratio_flat, ratio_vs_chunked=ratio_chunked, ratio_vs_mpi_path=ratio_mpi_path)
 
 
 def target_checks(sizes, storm):
@@ -348,7 +415,24 @@ def target_checks(sizes, storm):
              passed=small["chain_overhead_median_s"] <= 100e-6,
              measured=f"raw {small['raw']['median_s'] * 1e6:.1f} us + {small['chain_overhead_median_s'] * 1e6:.1f} us"),
     ]
-    log("\ntargets (medians; informational):")
+    shm_on = basics._core.stats()["shm_allreduces"] > 0
+    big = next(s for s in sizes if s["bytes"] == 64 * MiB)
+    checks += [
+        dict(name="64 MiB within 1.3x of the memory bound", passed=big["ratio_vs_bound"] <= 1.3,
+             measured=f"{big['ratio_vs_bound']:.2f}x (mpi path {big['mpi_path_ratio_vs_bound']:.2f}x)"),
+        dict(name="64 MiB within 0.5x of raw", passed=big["ratio_median"] <= 0.5,
+             measured=f"{big['ratio_median']:.2f}x"),
+        dict(name="gradient storm within 0.7x of raw over 1 MiB pieces", passed=storm["ratio_vs_chunked"] <= 0.7,
+             measured=f"{storm['ratio_vs_chunked']:.2f}x"),
+        dict(name="1 KiB per op (chained) no slower than the mpi path",
+             passed=small["ours_per_op_in_chain"]["median_s"] <= small["ours_mpi_per_op_in_chain"]["median_s"],
+             measured=f"{small['ours_per_op_in_chain']['median_s'] * 1e6:.1f} us vs "
+                      f"{small['ours_mpi_per_op_in_chain']['median_s'] * 1e6:.1f} us"),
+        dict(name="no size and not the storm slower than the mpi path",
+             passed=all(s["ratio_vs_mpi_path"] <= 1.0 for s in sizes) and storm["ratio_vs_mpi_path"] <= 1.0,
+             measured="worst " + f"{max([s['ratio_vs_mpi_path'] for s in sizes] + [storm['ratio_vs_mpi_path']]):.2f}x"),
+    ]
+    log(f"\ntargets (medians; informational; shared memory {'ran' if shm_on else 'did NOT run'}):")
     for c in checks:
         log(f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']:<58} ({c['measured']})")
     return checks

@@ -4,7 +4,7 @@ A timeline (``TF_MPI_TIMELINE=trace.json`` or ``tf_mpi.start_timeline``) has
 one track per collective. Every time a rank submits a tensor it records a
 READY instant, and the NEGOTIATE span runs from the first rank's READY to
 the last one's, so its end is the moment the tensor was ready everywhere.
-Work on the tensor (QUEUE, fusion copies, MPI_*) follows.
+Work on the tensor (QUEUE, fusion copies, MPI_* or SHM_ALLREDUCE) follows.
 
 Steps are found without any step marker: a training step submits the same
 named collectives every time, so the k-th occurrence of each such name
@@ -28,7 +28,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-WORK_SPANS = ("QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER")
+WORK_SPANS = ("QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "SHM_ALLREDUCE")
 
 
 def _union(intervals):

@@ -65,7 +65,7 @@ def summarize(trace):
         phases = {p: set() for p in COLORS}
         for e in spans:
             if begin <= e["ts"] < end:
-                phase = PHASES.get(e["name"], "mpi" if e["name"].startswith("MPI_") else None)
+                phase = PHASES.get(e["name"], "mpi" if e["name"].startswith(("MPI_", "SHM_")) else None)
                 if phase:
                     phases[phase].add((e["ts"], e["ts"] + e["dur"]))
         step = {p: union_length(v) / 1000.0 for p, v in phases.items()}

@@ -7,6 +7,12 @@
 
 namespace tfmpi {
 
+namespace {
+// Measured with benchmarks/allreduce_bench.py (docs/performance.md).
+constexpr int64_t kShmMinBytesDefault = 0;
+constexpr int64_t kShmChunkBytesDefault = 256 << 10;
+}  // namespace
+
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
@@ -64,6 +70,13 @@ EngineConfig EngineConfig::FromEnv() {
   if (shape != "tree" && shape != "star")
     throw std::invalid_argument("tf_mpi: TF_MPI_NEGOTIATION=" + shape + " is not tree or star");
   c.negotiation_tree = shape == "tree";
+  const char* shm = std::getenv("TF_MPI_SHM");
+  c.shm = shm && *shm ? shm : "auto";
+  if (c.shm != "auto" && c.shm != "0" && c.shm != "1")
+    throw std::invalid_argument("tf_mpi: TF_MPI_SHM=" + c.shm + " is not auto, 0 or 1");
+  c.shm_min_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_SHM_MIN_BYTES", kShmMinBytesDefault));
+  c.shm_chunk_bytes = EnvInt("TF_MPI_SHM_CHUNK_BYTES", kShmChunkBytesDefault);
+  if (c.shm_chunk_bytes <= 0) c.shm_chunk_bytes = kShmChunkBytesDefault;
   return c;
 }
 
@@ -74,7 +87,8 @@ std::string EngineConfig::ToString() const {
      << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us
      << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes
-     << " negotiation=" << (negotiation_tree ? "tree" : "star") << " " << hierarchical.ToString();
+     << " negotiation=" << (negotiation_tree ? "tree" : "star") << " " << hierarchical.ToString()
+     << " shm=" << shm << " shm_min_bytes=" << shm_min_bytes << " shm_chunk_bytes=" << shm_chunk_bytes;
   return os.str();
 }
 

@@ -31,6 +31,10 @@ struct EngineConfig {
   int64_t gpu_chunk_bytes;         // TF_MPI_GPU_CHUNK_BYTES: the staged transport's pipeline chunk
   HierarchicalSettings hierarchical;  // TF_MPI_HIERARCHICAL and its model (hierarchical_model.h)
   bool negotiation_tree;           // TF_MPI_NEGOTIATION: tree (default) or star (negotiation_tree.h)
+  // Shared-memory allreduce (shm_allreduce.h); rank 0's values apply on every rank.
+  std::string shm;                 // TF_MPI_SHM: auto (when it pays), 1 (whenever possible), 0 (never)
+  int64_t shm_min_bytes;           // TF_MPI_SHM_MIN_BYTES: smaller allreduces keep the MPI path (auto and 1)
+  int64_t shm_chunk_bytes;         // TF_MPI_SHM_CHUNK_BYTES: bytes of a buffer one pipeline step reduces
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

@@ -117,6 +117,16 @@ void Executor::ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dty
   stats_->gpu_direct_bytes += c.direct_bytes;
 }
 
+std::string Executor::RunShm(const std::vector<Request*>& reqs, const void* in, void* out, int64_t count,
+                             DataType dtype, ReduceOp op, double prescale, double postscale) {
+  const Status s = shm_->Allreduce(in, out, count, dtype, op, prescale, postscale);
+  ++stats_->shm_allreduces;
+  stats_->shm_bytes += count * static_cast<int64_t>(DataTypeSize(dtype));
+  if (!s.ok())
+    for (const Request* r : reqs) failed_.emplace(r, s);
+  return ", \"transport\": \"shm\", \"wait_us\": " + std::to_string(shm_->last_wait_ns() / 1000);
+}
+
 void Executor::Settle(Device& dev, const std::vector<Request*>& reqs) {
   if (dev.is_host()) return;
   dev.Synchronize();  // the callbacks may run only once the results are on the device
@@ -252,6 +262,12 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       const RequestMeta& m = first.req->meta;
       const void* in = first.req->inputs[first.t];
       void* out = first.req->outputs[first.t];
+      if (UseShm(dev, b.bytes)) {
+        const std::string more = RunShm(served, in, out, first.count, dtype, op, m.prescale,
+                                        PostScale(m, first.contributors));
+        Phase(timeline_, members, "SHM_ALLREDUCE", t0, args.substr(0, args.size() - 1) + more + "}");
+        continue;
+      }
       if (dev.is_host() && m.prescale == 1.0) {
         HostAllreduce(in, out, first.count, dtype, op, members, args);  // MPI copies `in` itself
       } else {
@@ -276,8 +292,13 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     if (buf) dev.ScaleCopy(copies, dtype);
     Phase(timeline_, members, "MEMCPY_IN_FUSION_BUFFER", t0, args);
     t0 = TClock::now();
-    ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op, members, args);
-    Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
+    if (UseShm(dev, b.bytes)) {
+      const std::string more = RunShm(served, buf, buf, b.bytes / DataTypeSize(dtype), dtype, op, 1.0, 1.0);
+      Phase(timeline_, members, "SHM_ALLREDUCE", t0, args.substr(0, args.size() - 1) + more + "}");
+    } else {
+      ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op, members, args);
+      Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
+    }
     t0 = TClock::now();
     for (size_t c = 0; c < b.items.size(); ++c) {
       const Slot& s = slots[b.items[c]];

@@ -18,6 +18,7 @@
 #include "hierarchical.h"
 #include "request.h"
 #include "response_cache.h"
+#include "shm_allreduce.h"
 #include "timeline.h"
 #include "wire.h"
 
@@ -59,6 +60,8 @@ struct ExecutorStats {
     payload_bytes_sent += bytes;
     payload_bytes_by_type[static_cast<int>(type)] += bytes;
   }
+  // Allreduce buckets (and their bytes) that ran over shared memory (shm_allreduce.h).
+  std::atomic<int64_t> shm_allreduces{0}, shm_bytes{0};
 };
 
 class Executor {
@@ -69,7 +72,7 @@ class Executor {
         hierarchical_(mpi, hierarchical, config.tunables.chunk_bytes),
         gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
         managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
-        stats_(stats), timeline_(timeline) {}
+        stats_(stats), timeline_(timeline), shm_(ShmCollectives::Create(mpi, config)) {}
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does
@@ -111,6 +114,13 @@ class Executor {
   // every rank. The hierarchical phases go on `members`' timeline tracks.
   void HostAllreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
                      const std::vector<const Request*>& members, const std::string& args);
+  // The one place that picks the transport of a host allreduce: shared
+  // memory (shm_allreduce.h) when it is set up and chooses `bytes`, which
+  // every rank answers alike.
+  bool UseShm(const Device& dev, int64_t bytes) const { return shm_ && dev.is_host() && shm_->Chooses(bytes); }
+  // The shared-memory allreduce; fails `reqs` if it fails. Returns timeline args to add.
+  std::string RunShm(const std::vector<Request*>& reqs, const void* in, void* out, int64_t count, DataType dtype,
+                     ReduceOp op, double prescale, double postscale);
   // Waits for `dev`, and fails `reqs` with its error if it had one.
   void Settle(Device& dev, const std::vector<Request*>& reqs);
 
@@ -135,6 +145,7 @@ class Executor {
   Timeline* timeline_;
   std::chrono::steady_clock::time_point decided_;  // when the running batch was decided/received
   int64_t bucket_id_ = 0;
+  std::unique_ptr<ShmCollectives> shm_;  // null: every allreduce takes the MPI path
 };
 
 }  // namespace tfmpi

@@ -200,13 +200,15 @@ void MpiContext::Release() {
   // sequence number of the new engine's first message from that peer, which
   // then is never delivered (tests/workers/hardening_worker.py, "stale").
   // One communicator per init() is kept until MPI_Finalize.
-  if (comm_ != MPI_COMM_NULL) {
-    static auto* kept = new std::vector<MPI_Comm>();
-    kept->push_back(comm_);
-    comm_ = MPI_COMM_NULL;
+  static auto* kept = new std::vector<MPI_Comm>();
+  for (MPI_Comm* c : {&comm_}) {
+    if (*c == MPI_COMM_NULL) continue;
+    kept->push_back(*c);
+    *c = MPI_COMM_NULL;
   }
   // The node and cross communicators are kept likewise, so that no later
-  // init() is given their context either.
+  // init() is given their context either; a shared-memory window allocated
+  // over the node communicator is kept too (shm_segment.h).
   for (MPI_Comm* c : {&node_comm_, &cross_comm_}) {
     if (*c == MPI_COMM_NULL) continue;
     static auto* kept_split = new std::vector<MPI_Comm>();

@@ -1,7 +1,9 @@
 #include "scale.h"
 
 #include <cstring>
+#include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "dispatch.h"
 
@@ -23,6 +25,54 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dtype, double
     } else {
       for (int64_t i = 0; i < count; ++i)
         out[i] = static_cast<T>(static_cast<double>(in[i]) * factor);
+    }
+  });
+}
+
+namespace {
+
+// Integer arithmetic in an unsigned type at least as wide as int, so that an
+// overflow wraps (as MPI's C loops do in practice) instead of being undefined.
+template <typename A>
+using Wrap = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+
+struct Plus {
+  template <typename A> A operator()(A x, A y) const {
+    if constexpr (std::is_integral_v<A> && !std::is_same_v<A, bool>)
+      return static_cast<A>(static_cast<Wrap<A>>(x) + static_cast<Wrap<A>>(y));
+    else if constexpr (std::is_same_v<A, bool>) return x || y;
+    else return x + y;
+  }
+};
+struct Times {
+  template <typename A> A operator()(A x, A y) const {
+    if constexpr (std::is_integral_v<A> && !std::is_same_v<A, bool>)
+      return static_cast<A>(static_cast<Wrap<A>>(x) * static_cast<Wrap<A>>(y));
+    else if constexpr (std::is_same_v<A, bool>) return x && y;
+    else return x * y;
+  }
+};
+struct Lesser { template <typename A> A operator()(A x, A y) const { return std::min(x, y); } };
+struct Greater { template <typename A> A operator()(A x, A y) const { return std::max(x, y); } };
+
+template <typename T, typename F>
+void Combine(T* dst, const T* a, const T* b, int64_t count, F f) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = Store<T>(f(Load(a[i]), Load(b[i])));
+}
+
+}  // namespace
+
+void ReduceInto(void* dst, const void* a, const void* b, int64_t count, DataType dtype, ReduceOp op) {
+  DispatchType(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    T* d = static_cast<T*>(dst);
+    const T* x = static_cast<const T*>(a);
+    const T* y = static_cast<const T*>(b);
+    switch (op) {
+      case ReduceOp::kMin: Combine(d, x, y, count, Lesser{}); break;
+      case ReduceOp::kMax: Combine(d, x, y, count, Greater{}); break;
+      case ReduceOp::kProduct: Combine(d, x, y, count, Times{}); break;
+      default: Combine(d, x, y, count, Plus{}); break;  // Sum and Average (divided afterwards)
     }
   });
 }

@@ -15,4 +15,11 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dtype, double
 // Used when a rank contributes nothing (join) and for empty fused slots.
 void FillIdentity(void* dst, int64_t count, DataType dtype, ReduceOp op);
 
+// dst[i] = op(a[i], b[i]) for `count` elements (dst may equal a or b), with
+// the semantics of the MPI path (MpiContext::Op): Average adds (the caller
+// divides), integers wrap around as MPI's C arithmetic does, bool Sum/Max
+// are OR and Min/Product AND, 16-bit floats compute in float and round once
+// per pair, as the engine's MPI ops for them do.
+void ReduceInto(void* dst, const void* a, const void* b, int64_t count, DataType dtype, ReduceOp op);
+
 }  // namespace tfmpi

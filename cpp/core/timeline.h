@@ -8,6 +8,9 @@
 //               bucket id and its member count in args (so fusion is visible)
 //   MPI_NODE_REDUCESCATTER / MPI_CROSS_ALLREDUCE / MPI_NODE_ALLGATHER
 //               inside MPI_ALLREDUCE when the buffer went hierarchical (hierarchical.h)
+//               (SHM_ALLREDUCE instead of MPI_ALLREDUCE when the bucket ran
+//               over shared memory, shm_allreduce.h, with the microseconds it
+//               waited on its peers in args)
 //   MPI_ALLGATHER, MPI_BROADCAST, ... for the other collectives
 // The file is a complete JSON document after Stop() (also called at shutdown).
 #pragma once

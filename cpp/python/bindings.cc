@@ -384,7 +384,9 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("payload_bytes_allgather") = s.payload_bytes_by_type[1].load(),
                     py::arg("payload_bytes_broadcast") = s.payload_bytes_by_type[2].load(),
                     py::arg("payload_bytes_alltoall") = s.payload_bytes_by_type[3].load(),
-                    py::arg("payload_bytes_reducescatter") = s.payload_bytes_by_type[4].load());
+                    py::arg("payload_bytes_reducescatter") = s.payload_bytes_by_type[4].load(),
+                    // shared-memory allreduce (shm_allreduce.h)
+                    py::arg("shm_allreduces") = s.shm_allreduces.load(), py::arg("shm_bytes") = s.shm_bytes.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
@@ -394,7 +396,10 @@ PYBIND11_MODULE(_core, m) {
      "the negotiation's own messages and bytes this rank sent and received (announcements and decisions, not\n"
      "the collectives' data); payload bytes this rank handed to MPI collectives (payload_bytes_sent, and per\n"
      "collective: allreduce and reducescatter their input, allgather this rank's rows, broadcast the root's\n"
-     "buffer, alltoall the rows sent to other ranks).");
+     "buffer, alltoall the rows sent to other ranks); allreduce buckets (and bytes) that ran over shared memory.");
+  m.def("set_shm_paused", [](bool paused) { ShmCollectives::SetPaused(paused); },
+        "Testing/benchmark hook: while paused, allreduces take the MPI path instead of shared memory. Call it on\n"
+        "every rank at the same point with no collective in flight (e.g. after a barrier), or ranks disagree.");
   m.def("hierarchical", [] {
     Ctx();
     const HierarchicalChoice& c = E().hierarchical();

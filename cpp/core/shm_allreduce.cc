@@ -1,0 +1,184 @@
+#include "shm_allreduce.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include <unistd.h>
+
+#include "logging.h"
+#include "scale.h"
+
+namespace tfmpi {
+
+namespace {
+
+// Buffers in the ring: ranks may run this many steps apart.
+constexpr int kBuffers = 4;
+std::atomic<bool> g_paused{false};
+
+enum class Mode : int64_t { kOff = 0, kOn = 1, kAuto = 2 };
+
+Mode ParseMode(const std::string& s) { return s == "0" ? Mode::kOff : s == "1" ? Mode::kOn : Mode::kAuto; }
+
+}  // namespace
+
+// One collective: which stages run, on which buffers.
+struct ShmCollectives::Job {
+  const char* in;   // reduce: the whole buffer; gather only: this rank's block
+  char* out;        // gather: the whole buffer; reduce only: this rank's block
+  std::vector<int64_t> counts;  // elements per block
+  DataType dtype;
+  ReduceOp op;
+  double prescale, postscale;
+  bool reduce, gather;
+};
+
+void ShmCollectives::SetPaused(bool paused) { g_paused.store(paused, std::memory_order_relaxed); }
+
+bool ShmCollectives::Chooses(int64_t bytes) const {
+  // A broken segment is still chosen, so that the collective fails at once
+  // with the reason instead of waiting for a dead peer inside MPI.
+  return bytes >= min_bytes_ && !g_paused.load(std::memory_order_relaxed);
+}
+
+std::unique_ptr<ShmCollectives> ShmCollectives::ForNode(MPI_Comm local, int64_t chunk_bytes, int64_t min_bytes,
+                                                        double stall_limit_s, std::string* why) {
+  int n = 1;
+  MPI_Comm_size(local, &n);
+  // A slot is a cache-line multiple, so every rank's slots start on their own lines.
+  const int64_t slot = std::max<int64_t>(64, chunk_bytes / n / 64 * 64);
+  auto segment = ShmSegment::Create(local, slot, kBuffers, stall_limit_s, why);
+  if (!segment) return nullptr;
+  return std::unique_ptr<ShmCollectives>(new ShmCollectives(std::move(segment), min_bytes));
+}
+
+std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, const EngineConfig& config) {
+  // Rank 0's settings everywhere: the choice must be the same on every rank.
+  int64_t settings[3] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes};
+  MPI_Bcast(settings, 3, MPI_INT64_T, 0, mpi->comm());
+  const Mode mode = static_cast<Mode>(settings[0]);
+  if (mode == Mode::kOff) return nullptr;
+  // Every rank sees the same sizes, so every rank returns here alike.
+  std::string why;
+  if (mpi->size() < 2) why = "there is one rank";
+  else if (mpi->local_size() != mpi->size())
+    why = "the ranks span several nodes (" + std::to_string(mpi->local_size()) + " of " +
+          std::to_string(mpi->size()) + " share this one)";
+  else if (mode == Mode::kAuto && mpi->local_size() > sysconf(_SC_NPROCESSORS_ONLN))
+    // More ranks than cores: a rank waiting on shared memory for a
+    // descheduled peer measured no faster than the MPI path (3 ranks on 2
+    // cores), so auto leaves it to MPI. The node's core count is the same on
+    // every rank, so every rank decides alike.
+    why = std::to_string(mpi->local_size()) + " ranks share " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) +
+          " cores (TF_MPI_SHM=1 uses shared memory anyway)";
+  std::unique_ptr<ShmCollectives> shm;
+  if (why.empty()) shm = ForNode(mpi->node_comm(), settings[2], settings[1], config.stall_shutdown_s, &why);
+  if (!shm && mode == Mode::kOn && mpi->rank() == 0)
+    LogWarning("TF_MPI_SHM=1, but the shared-memory allreduce is not used: " + why);
+  return shm;
+}
+
+Status ShmCollectives::Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
+                                 double prescale, double postscale) {
+  const int n = segment_->size();
+  Job job{static_cast<const char*>(in), static_cast<char*>(out), std::vector<int64_t>(n), dtype, op, prescale,
+          postscale, true, true};
+  for (int p = 0; p < n; ++p) job.counts[p] = count / n + (p < count % n ? 1 : 0);
+  return Run(job);
+}
+
+Status ShmCollectives::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype,
+                                     ReduceOp op, double prescale, double postscale) {
+  return Run({static_cast<const char*>(in), static_cast<char*>(out), counts, dtype, op, prescale, postscale, true,
+              false});
+}
+
+Status ShmCollectives::Allgather(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype) {
+  return Run({static_cast<const char*>(in), static_cast<char*>(out), counts, dtype, ReduceOp::kSum, 1.0, 1.0, false,
+              true});
+}
+
+Status ShmCollectives::Run(const Job& job) {
+  ShmSegment& seg = *segment_;
+  last_wait_ns_ = 0;
+  if (!seg.broken().ok()) return seg.broken();
+  const int n = seg.size(), me = seg.rank();
+  if (static_cast<int>(job.counts.size()) != n)
+    return Status::Internal("tf_mpi: shared-memory collective given " + std::to_string(job.counts.size()) +
+                            " blocks for " + std::to_string(n) + " local ranks");
+  const int64_t elem = DataTypeSize(job.dtype);
+  const int64_t per_step = seg.slot_bytes() / elem;
+  std::vector<int64_t> offset(n, 0);
+  for (int p = 1; p < n; ++p) offset[p] = offset[p - 1] + job.counts[p - 1];
+  const int64_t longest = *std::max_element(job.counts.begin(), job.counts.end());
+  const int64_t steps = (longest + per_step - 1) / per_step;
+
+  Status s;
+  for (int64_t j = 0; j < steps && s.ok(); ++j) {
+    const uint64_t k = step_++;  // global step number
+    const int b = static_cast<int>(k % seg.buffers());
+    const int64_t first = j * per_step;  // within each block
+    auto len = [&](int p) { return std::clamp<int64_t>(job.counts[p] - first, 0, per_step); };
+    // Byte address of element `first` of block p in the whole-buffer layout.
+    auto at = [&](const char* base, int p) { return base + (offset[p] + first) * elem; };
+    auto out_at = [&](int p) { return job.out + (offset[p] + first) * elem; };
+
+    // 1. The buffer about to be reused has been consumed by every peer.
+    if (k >= static_cast<uint64_t>(seg.buffers()))
+      for (int p = 0; p < n && s.ok(); ++p)
+        if (p != me) s = seg.WaitFor(p, ShmSegment::kConsumed, k + 1 - seg.buffers());
+    if (!s.ok()) break;
+
+    char* result = seg.Slot(me, b, me);
+    const int64_t mine = len(me);
+    if (job.reduce) {
+      // 2. Copy-in: what each peer reduces, prescaled.
+      for (int p = 0; p < n; ++p)
+        if (p != me && len(p) > 0) ScaleCopy(seg.Slot(me, b, p), at(job.in, p), len(p), job.dtype, job.prescale);
+      seg.Publish(ShmSegment::kInputs, k + 1);
+      // 3. Reduce this rank's sub-chunk, reading the peers' copies where they lie.
+      for (int p = 0; p < n && s.ok(); ++p)
+        if (p != me) s = seg.WaitFor(p, ShmSegment::kInputs, k + 1);
+      if (!s.ok()) break;
+      char* dst = job.gather ? result : job.out + first * elem;
+      if (mine > 0) {
+        const char* own = at(job.in, me);
+        if (job.prescale != 1.0) {
+          ScaleCopy(dst, own, mine, job.dtype, job.prescale);
+          own = dst;
+        }
+        for (int p = 0; p < n; ++p) {
+          if (p == me) continue;
+          ReduceInto(dst, own, seg.Slot(p, b, me), mine, job.dtype, job.op);
+          own = dst;
+        }
+        if (job.postscale != 1.0) ScaleCopy(dst, dst, mine, job.dtype, job.postscale);
+        if (job.gather) std::memcpy(out_at(me), dst, mine * elem);
+      }
+    } else if (mine > 0) {
+      // Gather only: this rank's block is its contribution.
+      const char* own = job.in + first * elem;
+      std::memcpy(result, own, mine * elem);
+      if (at(job.out, me) != own) std::memcpy(out_at(me), own, mine * elem);
+    }
+    if (job.gather) {
+      // 4. Copy-out: every peer's result, from where it lies.
+      seg.Publish(ShmSegment::kResult, k + 1);
+      for (int p = 0; p < n && s.ok(); ++p) {
+        if (p == me) continue;
+        s = seg.WaitFor(p, ShmSegment::kResult, k + 1);
+        if (s.ok() && len(p) > 0) std::memcpy(out_at(p), seg.Slot(p, b, p), len(p) * elem);
+      }
+      if (!s.ok()) break;
+    }
+    // Every counter reaches k + 1 in every step, whichever stages ran.
+    seg.Publish(ShmSegment::kInputs, k + 1);
+    seg.Publish(ShmSegment::kResult, k + 1);
+    seg.Publish(ShmSegment::kConsumed, k + 1);
+  }
+  last_wait_ns_ = seg.TakeWaitNanos();
+  return s;
+}
+
+}  // namespace tfmpi

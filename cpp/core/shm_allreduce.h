@@ -1,0 +1,111 @@
+// Allreduce among the ranks of one node through shared memory (a segment
+// from MPI_Win_allocate_shared, shm_segment.h): MPI provides the memory and
+// the process set, this file the reduction schedule.
+//
+// Schedule. A buffer of `count` elements is cut into one contiguous block
+// per local rank (block p: elements [offset_p, offset_p + count_p)); local
+// rank p reduces block p. Blocks are processed in pipeline steps of S
+// elements (S = segment slot, TF_MPI_SHM_CHUNK_BYTES / local size): step j
+// handles sub-chunk j of every block. In step j, rank r
+//   1. waits until every peer has consumed what r wrote B steps ago into the
+//      buffer it is about to reuse (B buffers in a ring; peers' kConsumed);
+//   2. copy-in (reduce stages): writes sub-chunk j of every other block p of
+//      its input, prescaled, into its own slot p, then raises kInputs;
+//   3. reduce: once every peer's kInputs covers step j, reduces its own
+//      sub-chunk: its own input (read where it lies, in r's private memory)
+//      combined with slot r of each peer's buffer (read where it lies, in the
+//      peer's area: a single copy), in the order own input, then peers by
+//      rank; postscales in place; the result lands in r's own slot r (and in
+//      r's output); raises kResult;
+//   4. copy-out (gather stages): once peer p's kResult covers step j, copies
+//      p's slot p (p's result) into its output; then raises kConsumed.
+// Steps are numbered across calls (a counter per rank, identical on every
+// rank because every rank runs the same collectives in the same order with
+// the same arguments), so nothing is reset between collectives.
+//
+// Why it is race-free. Rank r writes only its own area. Slot p (p != r) of
+// buffer b is read only by rank p in step 3 of the steps that use b; slot r
+// only by the peers in step 4. Before r overwrites buffer b in step j (b = j
+// mod B), it waits in step 1 until every peer's kConsumed reached step j-B+1,
+// i.e. every peer has finished steps 3 and 4 of step j-B, the last that used
+// b. A reader reads a slot of step j only after acquiring the owner's counter
+// for step j, which the owner released after writing it. No rank waits on a
+// step that it has not itself reached, so there is no cycle: the pipeline
+// only lets ranks run up to B steps apart.
+//
+// Results are identical on every rank: each block is computed once, by its
+// owner, and copied byte for byte by the others. Integer sums (and Min, Max,
+// integer Product) equal the MPI path bit for bit: the same prescale code
+// (scale.h ScaleCopy), wrap-around arithmetic and postscale; floating-point
+// sums of more than two ranks may round differently from MPI's order.
+//
+// Stages for a hierarchical allreduce: ReduceScatter (steps 1-3, the block's
+// result lands in the caller's buffer) and Allgather (steps 1 and 4, each
+// rank contributing its block) run the same steps over the same block
+// layout, so a node-local reduce-scatter, a cross-node exchange of each
+// block, and a node-local allgather compose to an allreduce.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "env.h"
+#include "mpi_context.h"
+#include "shm_segment.h"
+#include "types.h"
+
+namespace tfmpi {
+
+class ShmCollectives {
+ public:
+  // For the executor: collective over mpi->comm() (every rank calls it at
+  // init). Takes rank 0's TF_MPI_SHM* settings on every rank, so that every
+  // rank chooses alike; returns nullptr when the path is off (TF_MPI_SHM=0,
+  // the ranks span several nodes, one rank, no usable segment, or, for
+  // auto only, more ranks than the node has cores; logged when TF_MPI_SHM=1).
+  static std::unique_ptr<ShmCollectives> Create(const MpiContext* mpi, const EngineConfig& config);
+  // For a node-local stage over `local` (all of it calls this, with the same
+  // arguments): nullptr and `*why` when no segment could be set up.
+  static std::unique_ptr<ShmCollectives> ForNode(MPI_Comm local, int64_t chunk_bytes, int64_t min_bytes,
+                                                 double stall_limit_s, std::string* why);
+
+  // Whether an allreduce of `bytes` on the host takes this path; the same
+  // answer on every rank for the same bytes (see SetPaused).
+  bool Chooses(int64_t bytes) const;
+
+  // out = op over local ranks of (prescale * in), times postscale; in == out
+  // works in place.
+  Status Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op, double prescale,
+                   double postscale);
+  // `in` holds sum(counts) elements laid out by block; `out` receives this
+  // rank's block (counts[local rank] elements), reduced and scaled.
+  Status ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype, ReduceOp op,
+                       double prescale, double postscale);
+  // `in` holds this rank's block (counts[local rank] elements); `out` receives
+  // every block, in rank order. `in` may be this rank's block inside `out`.
+  Status Allgather(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype);
+
+  // Nanoseconds the last call waited on peers (beyond a first check).
+  int64_t last_wait_ns() const { return last_wait_ns_; }
+  int local_size() const { return segment_->size(); }
+
+  // Testing and benchmarking hook (process-wide): while paused, Chooses()
+  // returns false. Must change on every rank at the same point, when no
+  // collective is in flight (e.g. after a barrier), or ranks disagree.
+  static void SetPaused(bool paused);
+
+ private:
+  struct Job;
+  ShmCollectives(std::unique_ptr<ShmSegment> segment, int64_t min_bytes)
+      : segment_(std::move(segment)), min_bytes_(min_bytes) {}
+  Status Run(const Job& job);
+
+  std::unique_ptr<ShmSegment> segment_;
+  int64_t min_bytes_;
+  uint64_t step_ = 0;  // pipeline steps done so far (identical on every rank)
+  int64_t last_wait_ns_ = 0;
+};
+
+}  // namespace tfmpi

@@ -1,0 +1,54 @@
+"""The shared-memory allreduce (TF_MPI_SHM) under real mpirun: every dtype and
+op, direct and fused, sizes around a pipeline step and the switch-over size,
+np=2 and np=3, prescale/postscale, integer wrap-around, the response cache,
+join, TensorFlow ops and the timeline, all compared with the MPI path in the
+same process and with numpy; TF_MPI_SHM=0 keeps it off; and a rank that exits
+in the middle of a stream of shared-memory allreduces ends the job."""
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "shm_worker.py"
+# A 4 KiB pipeline chunk makes small arrays take many steps; arrays of 1 KiB
+# and more skip the fusion buffer; allreduces below 1000 bytes keep the MPI path.
+SMALL_STEPS = {"TF_MPI_SHM_CHUNK_BYTES": "4096", "TF_MPI_SHM_MIN_BYTES": "1000", "TF_MPI_FUSION_DIRECT_BYTES": "1024",
+               "TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+LAUNCHES = {
+    "np2": (2, {"TF_MPI_SHM": "1", **SMALL_STEPS}),
+    "np3": (3, {"TF_MPI_SHM": "1", **SMALL_STEPS}),
+    "off": (2, {"TF_MPI_SHM": "0", "TF_MPI_TEST_ONLY": "check_path_taken_matches_setting,"
+                "check_stream_with_response_cache,check_tensorflow_ops_fused_and_timeline"}),
+}
+OFF_CHECKS = LAUNCHES["off"][1]["TF_MPI_TEST_ONLY"].split(",")
+_runs = {}
+
+
+def launch(key):
+    if key not in _runs:
+        np, env = LAUNCHES[key]
+        _runs[key] = run_mpi(np, WORKER, timeout=240, env=env)
+    return _runs[key]
+
+
+@pytest.mark.parametrize("key", ["np2", "np3"])
+@pytest.mark.parametrize("check", check_names(WORKER))
+def test_shm(key, check):
+    assert_check(launch(key), LAUNCHES[key][0], check)
+
+
+@pytest.mark.parametrize("check", OFF_CHECKS)
+def test_shm_off_keeps_the_mpi_path(check):
+    assert_check(launch("off"), 2, check)
+
+
+def test_rank_exiting_mid_stream_ends_the_job():
+    # Rank 1 exits (os._exit) 1.5 s into a stream of 4 MiB shared-memory
+    # allreduces: no rank may be left waiting on its flags.
+    run = run_mpi(2, WORKER, timeout=120, env={"SHM_SCENARIO": "die", "TF_MPI_SHM": "1"})
+    assert not run.timed_out, run.describe()
+    assert run.returncode != 0 and run.elapsed < 90, run.describe()
+    # The survivor normally sees the peer's death first (an error naming it);
+    # the launcher may also end it before that: both end the job.
+    for line in run.output.splitlines():
+        if "SURVIVOR ERROR" in line:
+            assert "exited while this rank waited for it" in line or "gave up" in line, run.describe()

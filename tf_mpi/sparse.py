@@ -137,13 +137,24 @@ def measure_costs(rows=4096, width=128, repeats=7):
     with tf.init_scope():  # measured eagerly, also when called while a tf.function is traced
         values = tf.ones([rows, width], tf.float32)
         ids = tf.constant(np.random.default_rng(0).permutation(2 * rows)[:rows, None], tf.int32)
-        zeros = tf.zeros([2 * rows, width], tf.float32)
-        scatter = tf.function(lambda: tf.tensor_scatter_nd_add(zeros, ids, values)[0, 0])
-        scatter()  # trace
-        scatter_gamma = max(fastest(lambda: scatter().numpy()) / (rows * width * 4), 1e-13)
+        # The zero fill of the result is common to both branches: time it alone and subtract it.
+        fill = tf.function(lambda: tf.zeros([2 * rows, width], tf.float32)[0, 0])
+        scatter = tf.function(
+            lambda: tf.tensor_scatter_nd_add(tf.zeros([2 * rows, width], tf.float32), ids, values)[0, 0])
+        t_fill = fastest(lambda: fill().numpy())
+        t_scatter = fastest(lambda: scatter().numpy())
+        scatter_gamma = max((t_scatter - t_fill) / values.numpy().nbytes, 1e-13)
     shared = _core.broadcast(np.array([allreduce.beta, allgather_beta, scatter_gamma], np.float64), 0,
                              "tfmpi.sparsecost.share")
     _costs = SparseCostModel(*(float(v) for v in shared))
+    return _costs
+
+
+def measured_costs():
+    """The SparseCostModel this process measured, or None before ``measure_costs`` ran (no collective).
+
+    Example: ``costs = tf_mpi.sparse.measured_costs()`` after a training step with ``sparse="auto"``
+    """
     return _costs
 
 

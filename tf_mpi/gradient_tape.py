@@ -19,7 +19,9 @@ class DistributedGradientTape(tf.GradientTape):
     in Horovod) keep their local gradient, divided by size() unless
     ``scale_local_gradients=False``. ``device_dense`` / ``device_sparse``
     place the collectives of dense / IndexedSlices gradients, as in Horovod
-    (``tf.device``; '' leaves them where TensorFlow puts them).
+    (``tf.device``; '' leaves them where TensorFlow puts them). ``sparse``
+    chooses how IndexedSlices gradients travel ("allgather", "dense",
+    "dedup", "auto"; see tf_mpi.sparse).
 
     Example::
 
@@ -33,14 +35,14 @@ class DistributedGradientTape(tf.GradientTape):
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  name="DistributedGradientTape", local_variables=None, order_backprop=None,
-                 scale_local_gradients=True):
+                 scale_local_gradients=True, sparse=None):
         # Take over the recorded tape instead of recording anew.
         self.__dict__.update(gradtape.__dict__)
         self._reducer = GradientReducer(name, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                                         gradient_predivide_factor=gradient_predivide_factor,
                                         num_groups=num_groups, groups=groups, order_backprop=order_backprop,
                                         scale_local_gradients=scale_local_gradients, device_dense=device_dense,
-                                        device_sparse=device_sparse)
+                                        device_sparse=device_sparse, sparse=sparse)
         for v in local_variables or []:
             self._reducer.register_local(v)
 

@@ -7,7 +7,7 @@ import os
 
 import tensorflow as tf
 
-from tf_mpi import backprop_order, basics, grouping, ops
+from tf_mpi import backprop_order, basics, grouping, ops, sparse as sparse_gradients
 from tf_mpi.basics import Average, Sum
 from tf_mpi.compression import Compression
 
@@ -28,7 +28,11 @@ class GradientReducer:
       compression: Compression.none, Compression.fp16, or Compression.topk(ratio) /
         Compression.gtopk(ratio) (sparsified with error feedback; IndexedSlices
         gradients are densified first).
-      sparse_as_dense: densify IndexedSlices instead of allgathering them.
+      sparse_as_dense: densify IndexedSlices instead of allgathering them
+        (Horovod's flag; the same as sparse="dense").
+      sparse: how IndexedSlices gradients are reduced: "allgather", "dense",
+        "dedup" or "auto" (tf_mpi.sparse); None: "dense" with
+        sparse_as_dense, else tf_mpi.sparse.DEFAULT_MODE.
       gradient_predivide_factor: with op=Average, divide by this before the sum
         and by size/factor after it (splits the averaging to avoid overflow).
       num_groups, groups, threshold_bytes: see tf_mpi.grouping.make_plan.
@@ -50,7 +54,8 @@ class GradientReducer:
 
     def __init__(self, name, op=Average, compression=Compression.none, sparse_as_dense=False,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
-                 order_backprop=None, scale_local_gradients=True, device_dense="", device_sparse=""):
+                 order_backprop=None, scale_local_gradients=True, device_dense="", device_sparse="",
+                 sparse=None):
         if op not in (Average, Sum):
             raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -59,7 +64,8 @@ class GradientReducer:
             raise ValueError("tf_mpi: Compression.topk / Compression.gtopk take the ratio of entries to send, "
                              "e.g. compression=Compression.topk(0.01)")
         self.name, self.op, self.compression = name, op, compression
-        self.sparse_as_dense = sparse_as_dense
+        self.sparse = sparse_gradients.resolve_mode(sparse, sparse_as_dense)
+        self.sparse_as_dense = self.sparse == "dense"
         self.gradient_predivide_factor = gradient_predivide_factor
         self.num_groups, self.groups, self.threshold_bytes = num_groups, groups, threshold_bytes
         if order_backprop is None:
@@ -90,6 +96,23 @@ class GradientReducer:
         if self.op == Average and f != 1.0:
             return Sum, 1.0 / f, f / basics.size()
         return self.op, 1.0, 1.0
+
+    def _reduce_sparse(self, grad, name):
+        """One IndexedSlices gradient, by self.sparse: allgathered (Horovod) or by tf_mpi.sparse."""
+        if self.sparse == "allgather":
+            return ops.allreduce(grad, op=self.op, name=name, compression=self.compression,
+                                 device_sparse=self.device_sparse)
+        op, prescale, postscale = self._scaling()
+        scale = prescale * postscale / (basics.size() if op == Average else 1)
+
+        def dense_allreduce(tensor, dense_name):
+            return ops.allreduce(tensor, op=op, name=dense_name, prescale_factor=prescale,
+                                 postscale_factor=postscale, compression=self.compression,
+                                 device_dense=self.device_dense)
+
+        with ops._on_device(self.device_sparse):
+            return sparse_gradients.reduce_indexed_slices(grad, self.sparse, name, basics.size(), scale=scale,
+                                                          dense_allreduce=dense_allreduce)
 
     def reduce(self, grads, variables, residuals=None):
         """Returns the reduced gradients, in the input order (None stays None).
@@ -126,11 +149,10 @@ class GradientReducer:
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
-                if self.sparse_as_dense:
+                if self.sparse == "dense":
                     out[i] = g = tf.convert_to_tensor(g)
                 else:
-                    out[i] = ops.allreduce(g, op=self.op, name=f"{self.name}.sparse.{i}",
-                                           compression=self.compression, device_sparse=self.device_sparse)
+                    out[i] = self._reduce_sparse(g, f"{self.name}.sparse.{i}")
                     continue
             dense.append(i)
         if not dense:

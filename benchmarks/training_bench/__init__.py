@@ -17,8 +17,10 @@ mixed_float16. Each measurement is its own launch:
              per-tensor  one group per variable and TF_MPI_FUSION_THRESHOLD=0
                          (the engine fuses nothing: one MPI allreduce per tensor),
            and an Embedding's sparse gradient densified before its allreduce
-           (sparse_as_dense=True; --sparse both adds `tfmpi graph allgather`,
-           where it is allgathered as tf.IndexedSlices instead).
+           (sparse="dense"; --sparse both adds `tfmpi graph allgather`,
+           where it is allgathered as tf.IndexedSlices instead; --sparse dense
+           dedup auto adds `tfmpi graph dedup` and `tfmpi graph auto`, see
+           docs/sparse-gradients.md).
   mwms     tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes on
            localhost (TF_CONFIG, free ports), RING collectives, global batch 128.
 
@@ -110,5 +112,6 @@ MODEL_NAMES = ["lstm", "mlp", "cnn", "tiny"]  # = bench_models.MODELS; kept here
 # Models with an IndexedSlices gradient (an Embedding's), for which tf_mpi can
 # densify it before an allreduce (the default here) or allgather it.
 SPARSE_GRADIENT_MODELS = ["lstm"]
-SPARSE_NAMES = ["dense", "allgather"]
+# How an IndexedSlices gradient travels: DistributedOptimizer(sparse=...) (tf_mpi.sparse).
+SPARSE_NAMES = ["dense", "allgather", "dedup", "auto"]
 RESULT_PREFIX = "RESULT "

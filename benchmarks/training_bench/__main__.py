@@ -28,9 +28,11 @@ def parse_args():
                      help="driver: the tfmpi groupings")
     sel.add_argument("--compression", choices=["none", "fp16"], default="none",
                      help="worker, tfmpi: gradients on the wire (fp16 halves the bytes; not bit-equal to float32)")
-    sel.add_argument("--sparse", choices=SPARSE_NAMES + ["both"], default="dense",
-                     help="tfmpi: how an Embedding's IndexedSlices gradient travels: densified and allreduced "
-                          "(sparse_as_dense=True) or allgathered; 'both' (driver): also `tfmpi graph allgather`")
+    sel.add_argument("--sparse", nargs="+", choices=SPARSE_NAMES + ["both"], default=["dense"],
+                     help="tfmpi: how an Embedding's IndexedSlices gradient travels (DistributedOptimizer(sparse=)): "
+                          "densified and allreduced, allgathered, deduplicated, or chosen by cost. A worker takes "
+                          "one; the driver runs the groupings with the first and adds a `tfmpi graph <mode>` "
+                          "launch for each other one ('both' = dense allgather)")
     sel.add_argument("--precision", choices=PRECISIONS + ["both"], default="float32",
                      help="Keras dtype policy ('both': driver only)")
     timing = p.add_argument_group("timing")
@@ -57,8 +59,10 @@ def parse_args():
     args = p.parse_args()
     if sum([args.driver, args.mode is not None, bool(args.results)]) != 1:
         p.error("give exactly one of --driver, --mode or --results (with --plot and/or --markdown)")
-    if args.mode and args.sparse == "both":
-        p.error("--sparse both is a driver option; a worker takes dense or allgather")
+    if args.mode:
+        if len(args.sparse) != 1 or args.sparse[0] == "both":
+            p.error("a worker takes one --sparse mode (" + ", ".join(SPARSE_NAMES) + ")")
+        args.sparse = args.sparse[0]
     if args.results and not (args.plot or args.markdown):
         p.error("--results needs --plot and/or --markdown")
     if args.warmup < 1 or args.repeats < 1 or (args.steps is not None and args.steps < 1):

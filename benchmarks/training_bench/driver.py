@@ -44,18 +44,31 @@ class Variant:
 GROUPING_ENV = {"graph": {}, "one": {}, "per-tensor": {"TF_MPI_FUSION_THRESHOLD": "0"}}
 
 
+def sparse_modes(sparse):
+    """The --sparse list with 'both' spelled out (dense, allgather), without repeats, in order."""
+    modes = []
+    for name in sparse:
+        for mode in (["dense", "allgather"] if name == "both" else [name]):
+            if mode not in modes:
+                modes.append(mode)
+    return modes
+
+
 def selected_variants(modes, groupings, sparse, model):
     """The variants to run for `model`, baseline first (efficiencies need it). Every
-    tfmpi grouping densifies sparse gradients; with `sparse` == "both", models that
-    have one also run `tfmpi graph allgather`."""
+    tfmpi grouping reduces sparse gradients the first --sparse way; models that have
+    one also run `tfmpi graph <mode>` for every other --sparse mode."""
+    sparse = sparse_modes(sparse)
+    has_sparse = model in SPARSE_GRADIENT_MODELS
     variants = []
     for mode in MODES:
         if mode not in modes:
             continue
         if mode == "tfmpi":
-            variants += [Variant("tfmpi", g) for g in GROUPING_NAMES if g in groupings]
-            if sparse == "both" and model in SPARSE_GRADIENT_MODELS:
-                variants.append(Variant("tfmpi", "graph", sparse="allgather"))
+            variants += [Variant("tfmpi", g, sparse=sparse[0] if has_sparse else "dense")
+                         for g in GROUPING_NAMES if g in groupings]
+            if has_sparse:
+                variants += [Variant("tfmpi", "graph", sparse=m) for m in sparse[1:]]
         else:
             variants.append(Variant(mode))
     return variants

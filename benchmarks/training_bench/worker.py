@@ -95,19 +95,22 @@ def setup_tfmpi(args, spec, tf, keras):
     import tf_mpi.keras as hvd
     hvd.init()
     model = spec.build()
-    # sparse_as_dense: Keras 3's Adam densifies an IndexedSlices gradient anyway, and
-    # densifying 64x100 rows on each rank before a 10 MiB allreduce is cheaper than
-    # densifying the 2x64x100 allgathered rows after it (docs/performance.md).
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(LEARNING_RATE),
-                                         sparse_as_dense=args.sparse == "dense",
+    # sparse="dense" by default: Keras 3's Adam densifies an IndexedSlices gradient anyway,
+    # and densifying 64x100 rows on each rank before a 10 MiB allreduce is cheaper than
+    # densifying the 2x64x100 allgathered rows after it (docs/performance.md);
+    # docs/sparse-gradients.md compares it with "dedup" and "auto".
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(LEARNING_RATE), sparse=args.sparse,
                                          compression=getattr(hvd.Compression, args.compression),
                                          **grouping_options(args.grouping, model))
     compile_model(model, spec, optimizer)
     dataset = bench_models.synthetic_dataset(spec, BATCH_PER_PROCESS, seed=args.seed + hvd.rank())
 
     def plan_facts():
+        from tf_mpi.sparse import measured_costs
         plan = optimizer.grouping_plan
-        return {"groups": len(plan.groups) if plan else None,
+        costs = measured_costs()  # measured only where sparse="auto" traced without a forced threshold
+        return {"sparse_dedup_threshold": costs.dedup_threshold if costs else None,
+                "groups": len(plan.groups) if plan else None,
                 "grouping_source": plan.source if plan else None,
                 "group_bytes": [g.nbytes for g in plan.groups] if plan else None,
                 "overlap": plan.cost_model.overlap if plan and plan.cost_model else None}

@@ -1,0 +1,35 @@
+"""Sparse (IndexedSlices) gradients, tf_mpi.sparse: the deduplicated exchange against the dense
+reduction (duplicates inside and across ranks, an empty rank, every row touched;
+float32/float16/bfloat16; Sum and Average), bit-identical results on every rank, the
+cost-based choice identical on every rank with both branches forced, Keras model.fit and
+DistributedGradientTape with an Embedding against one-rank training on the global batch, and
+clear errors for bad arguments. One launch per world size runs every check of
+tests/workers/sparse_worker.py.
+"""
+import pytest
+
+from mpi_harness import assert_check, check_names, run_mpi
+
+WORKER = "sparse_worker.py"
+# A collective that some ranks never submit fails after 30 s instead of hanging the launch;
+# no start-up overlap probe (the grouping plan is not what is tested here).
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
+_runs = {}
+
+
+def launch(np):
+    if np not in _runs:
+        _runs[np] = run_mpi(np, WORKER, timeout=300, env=ENV)
+    return _runs[np]
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_launch_exits_cleanly(np):
+    run = launch(np)
+    assert not run.timed_out and run.returncode == 0, run.describe()
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("check", check_names(WORKER))
+def test_sparse(np, check):
+    assert_check(launch(np), np, check)

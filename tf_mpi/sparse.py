@@ -1,0 +1,274 @@
+"""Sparse (``tf.IndexedSlices``) gradients: how an Embedding's gradient crosses the ranks.
+
+A gradient of a table of ``V`` rows (an Embedding's, a ``tf.gather``'s) comes
+as ``tf.IndexedSlices``: one row per looked-up id, so an id that occurs k
+times in a batch is k rows. Four ways to reduce it (``sparse=`` of
+``DistributedOptimizer`` / ``DistributedGradientTape``):
+
+``"allgather"``
+    Every rank's rows, duplicates included, are allgathered; the result is an
+    ``IndexedSlices`` of all of them (Horovod's behaviour). Bytes received per
+    rank: ``(N - 1) * n * (row + index)`` for ``n`` rows per rank.
+``"dense"``
+    Each rank densifies its rows into a ``V``-row tensor, which is allreduced
+    with the other dense gradients (Horovod's ``sparse_as_dense=True``). Bytes:
+    those of a ``V * row`` allreduce, whatever the batch.
+``"dedup"``
+    Each rank first sums its duplicate rows (``tf.unique`` +
+    ``unsorted_segment_sum``: ``u <= n`` unique rows), the ranks allgather the
+    ``u`` unique indices (early: they depend on the input ids only, not on
+    backprop) and then the ``u`` summed rows, and every rank adds the
+    ``T = sum of u over ranks`` rows into a dense ``V``-row result. Bytes
+    received per rank: ``(T - u) * (row + index)``. The result is dense
+    because the optimizers that keep moments (Adam, RMSprop, SGD with
+    momentum) densify an ``IndexedSlices`` themselves: handing them a dense
+    tensor costs one densification instead of two.
+``"auto"``
+    Per tensor and per step, ``"dedup"`` or a dense allreduce, whichever the
+    cost model (``choose_dedup``, ``dedup_threshold``) says is faster for this step's ``T``. ``T``
+    is the length of the allgathered index list, the same number on every
+    rank, so every rank takes the same branch without another collective.
+
+Exactness: ``"dedup"`` and ``"dense"`` give the same sums up to the order of
+the additions (and, for Average, where the division by ``N`` happens: on
+each rank's summed rows before the exchange, instead of on the sum). The
+result is bit-identical on every rank: each rank adds the same gathered rows
+in the same order (rank 0's first), with one scatter per rank whose indices
+are unique, so no two updates of one scatter touch the same element.
+
+Example::
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3), sparse="auto")
+"""
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+MODES = ("allgather", "dense", "dedup", "auto")
+# What DistributedOptimizer / DistributedGradientTape do when neither sparse=
+# nor sparse_as_dense is given. "allgather" is Horovod's behaviour;
+# docs/sparse-gradients.md has the measurements behind keeping it.
+DEFAULT_MODE = "allgather"
+
+
+def resolve_mode(sparse, sparse_as_dense):
+    """The sparse-gradient mode from the ``sparse=`` and Horovod's ``sparse_as_dense=`` arguments.
+
+    ``sparse=None`` means ``"dense"`` with ``sparse_as_dense=True`` (as in
+    Horovod) and ``DEFAULT_MODE`` otherwise; ``sparse_as_dense=True`` together
+    with another ``sparse=`` is an error.
+
+    Example: ``resolve_mode(None, True)`` is ``"dense"``; ``resolve_mode("auto", False)`` is ``"auto"``
+    """
+    if sparse is None:
+        return "dense" if sparse_as_dense else DEFAULT_MODE
+    if not isinstance(sparse, str) or sparse not in MODES:
+        raise ValueError(f"tf_mpi: sparse= must be one of {', '.join(repr(m) for m in MODES)}; got {sparse!r}")
+    if sparse_as_dense and sparse != "dense":
+        raise ValueError(f"tf_mpi: sparse_as_dense=True asks for sparse='dense', but sparse={sparse!r} was given; "
+                         "pass only one of them")
+    return sparse
+
+
+@dataclass
+class SparseCostModel:
+    """Costs that decide between a dense allreduce and the deduplicated exchange, in seconds per byte.
+
+    ``allreduce_beta``: an allreduce, per byte of the tensor (tf_mpi.grouping's
+    beta); ``allgather_beta``: an allgather, per byte of the gathered result;
+    ``scatter_gamma``: adding rows into a dense tensor on this rank, per byte
+    of rows. Every rank holds rank 0's values.
+
+    Example::
+
+        costs = SparseCostModel(allreduce_beta=1e-9, allgather_beta=0.5e-9, scatter_gamma=0.2e-9)
+        costs.dedup_threshold        # 1.43: dedup while T < 1.43 * V
+    """
+    allreduce_beta: float
+    allgather_beta: float
+    scatter_gamma: float
+
+    @property
+    def dedup_threshold(self):
+        """``T / V`` below which the deduplicated exchange is expected to be faster (see ``choose_dedup``)."""
+        return self.allreduce_beta / (self.allgather_beta + self.scatter_gamma)
+
+
+_costs = None
+
+
+def measure_costs(rows=4096, width=128, repeats=7):
+    """Measures the SparseCostModel (collective: call on every rank, e.g. while tracing).
+
+    The allreduce beta is tf_mpi.grouping.measure_cost_model()'s; the
+    allgather beta and the scatter cost are timed here, fastest of `repeats`
+    (the slow samples measure the neighbours on a shared machine), and rank
+    0's values are broadcast so that every rank decides alike. Cached per process.
+
+    Example::
+
+        costs = tf_mpi.sparse.measure_costs()   # on every rank
+        print(f"dedup pays while touched rows < {costs.dedup_threshold:.2f} x table rows")
+    """
+    global _costs
+    if _costs is not None:
+        return _costs
+    from tf_mpi import grouping
+    from tf_mpi.basics import _core
+    allreduce = grouping.measure_cost_model()
+    small, large = np.ones(1024, np.float32), np.ones(rows * width, np.float32)
+
+    def fastest(fn):
+        fn()  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return min(samples)
+
+    t_small = fastest(lambda: _core.allgather(small, "tfmpi.sparsecost.small"))
+    t_large = fastest(lambda: _core.allgather(large, "tfmpi.sparsecost.large"))
+    size = _core.size()
+    allgather_beta = max((t_large - t_small) / ((large.nbytes - small.nbytes) * size), 1e-13)
+    with tf.init_scope():  # measured eagerly, also when called while a tf.function is traced
+        values = tf.ones([rows, width], tf.float32)
+        ids = tf.constant(np.random.default_rng(0).permutation(2 * rows)[:rows, None], tf.int32)
+        # The zero fill of the result is common to both branches: time it alone and subtract it.
+        fill = tf.function(lambda: tf.zeros([2 * rows, width], tf.float32)[0, 0])
+        scatter = tf.function(
+            lambda: tf.tensor_scatter_nd_add(tf.zeros([2 * rows, width], tf.float32), ids, values)[0, 0])
+        t_fill = fastest(lambda: fill().numpy())
+        t_scatter = fastest(lambda: scatter().numpy())
+        scatter_gamma = max((t_scatter - t_fill) / values.numpy().nbytes, 1e-13)
+    shared = _core.broadcast(np.array([allreduce.beta, allgather_beta, scatter_gamma], np.float64), 0,
+                             "tfmpi.sparsecost.share")
+    _costs = SparseCostModel(*(float(v) for v in shared))
+    return _costs
+
+
+def measured_costs():
+    """The SparseCostModel this process measured, or None before ``measure_costs`` ran (no collective).
+
+    Example: ``costs = tf_mpi.sparse.measured_costs()`` after a training step with ``sparse="auto"``
+    """
+    return _costs
+
+
+def dedup_threshold():
+    """``T / V`` below which ``"auto"`` deduplicates, the same on every rank (collective: call on every rank).
+
+    ``TF_MPI_SPARSE_DEDUP_THRESHOLD`` if set (e.g. ``0`` always allreduces
+    dense, ``1e9`` always deduplicates; read at every trace), else
+    ``measure_costs().dedup_threshold``. Rank 0's value is used everywhere.
+
+    Example: ``TF_MPI_SPARSE_DEDUP_THRESHOLD=0.5 python -m tf_mpi.run -np 4 python train.py``
+    """
+    from tf_mpi.basics import _core
+    env = os.environ.get("TF_MPI_SPARSE_DEDUP_THRESHOLD", "").strip()
+    if not env:
+        return measure_costs().dedup_threshold
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"tf_mpi: TF_MPI_SPARSE_DEDUP_THRESHOLD must be a number (touched rows / table rows), "
+                         f"got {env!r}") from None
+    return float(_core.broadcast(np.array([value], np.float64), 0, "tfmpi.sparse.threshold")[0])
+
+
+def choose_dedup(total_rows, table_rows, threshold):
+    """A scalar bool tensor: whether the deduplicated exchange is expected to beat a dense allreduce.
+
+    Both branches densify this rank's rows once (the dense branch its ``n``
+    rows, the dedup branch its sum of duplicates over the same ``n`` rows) and
+    pay one collective start-up, so those terms cancel. What differs, per byte
+    of a row: the dense branch allreduces ``V`` rows (``allreduce_beta * V``);
+    the dedup branch allgathers ``T`` rows and adds them into the result
+    (``(allgather_beta + scatter_gamma) * T``). Deduplicate while
+    ``T < threshold * V`` (``threshold``: ``dedup_threshold()``). ``total_rows``
+    (T) and ``table_rows`` (V) are the same on every rank, so is the choice.
+
+    Example: ``tf.cond(choose_dedup(T, 20000, dedup_threshold()), exchange, allreduce)``
+    """
+    return tf.cast(total_rows, tf.float64) < tf.constant(threshold, tf.float64) * tf.cast(table_rows, tf.float64)
+
+
+def _combine(gathered_rows, gathered_indices, counts, dense_shape, size):
+    """The dense sum of every rank's (index, row) pairs, added in rank order.
+
+    One scatter per rank: a rank's indices are unique, so no two updates of
+    one scatter meet, and the additions happen in the same order on every
+    rank and device (a single segment sum over all ranks' rows would let
+    a GPU add colliding rows in any order)."""
+    rows = tf.split(gathered_rows, counts, num=size)
+    indices = tf.split(gathered_indices, counts, num=size)
+    result = tf.zeros(dense_shape, gathered_rows.dtype)
+    for r, i in zip(rows, indices):
+        result = tf.tensor_scatter_nd_add(result, i[:, None], r)
+    return result
+
+
+def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=None, threshold=None):
+    """Reduces one IndexedSlices gradient with mode "dedup" or "auto"; returns a dense tensor.
+
+    Args:
+      grad: the tf.IndexedSlices (float32, float16 or bfloat16 values).
+      mode: "dedup" (always the deduplicated exchange) or "auto" (dedup or
+        ``dense_allreduce``, by ``choose_dedup``).
+      name: prefix of the collectives' names (equal on every rank).
+      size: number of ranks.
+      scale: multiplies each rank's summed rows before the exchange (1/size
+        for Average, times any pre/postscale factors).
+      dense_allreduce: (dense tensor, name) -> reduced tensor, the dense
+        branch of "auto" (it applies its own averaging and scaling).
+      threshold: ``choose_dedup``'s threshold for "auto" (default:
+        ``dedup_threshold()``, a collective on first use).
+
+    Example::
+
+        reduced = reduce_indexed_slices(grad, "dedup", "emb", hvd.size(), scale=1.0 / hvd.size())
+    """
+    from tf_mpi import ops
+    if mode not in ("dedup", "auto"):
+        raise ValueError(f"tf_mpi: reduce_indexed_slices takes mode 'dedup' or 'auto', got {mode!r}")
+    values = grad.values
+    if values.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
+        raise TypeError(f"tf_mpi: sparse={mode!r} reduces float gradients; got {values.dtype.name} IndexedSlices")
+    if grad.dense_shape is None:
+        raise ValueError(f"tf_mpi: sparse={mode!r} needs the IndexedSlices' dense_shape (the table's shape)")
+    dense_shape = tf.cast(grad.dense_shape, tf.int64)
+    # Indices first: they depend on the input ids only, so their exchange can
+    # run while backprop is still computing the rows.
+    unique, position = tf.unique(tf.cast(grad.indices, tf.int64))
+    count = tf.shape(unique, out_type=tf.int64)[:1]
+    gathered_indices, counts = ops.grouped_allgather([unique, count], name=f"{name}.indices")
+
+    def exchange():
+        rows = tf.math.unsorted_segment_sum(values, position, count[0])
+        if scale != 1.0:
+            rows = rows * tf.cast(scale, rows.dtype)
+        gathered_rows = ops.allgather(rows, name=f"{name}.rows")
+        return _combine(gathered_rows, gathered_indices, counts, dense_shape, size)
+
+    if mode == "dedup":
+        return _with_static_shape(exchange(), grad)
+
+    def allreduce():
+        dense = tf.math.unsorted_segment_sum(values, tf.cast(grad.indices, tf.int64), dense_shape[0])
+        return dense_allreduce(dense, f"{name}.dense")
+
+    if threshold is None:
+        threshold = dedup_threshold()
+    decide = choose_dedup(tf.shape(gathered_indices)[0], dense_shape[0], threshold)
+    return _with_static_shape(tf.cond(decide, exchange, allreduce), grad)
+
+
+def _with_static_shape(result, grad):
+    """`result` with the table's shape where tracing knows it (tf.cond and a dense_shape tensor hide it)."""
+    static = tf.get_static_value(grad.dense_shape)
+    if static is not None:
+        result.set_shape(static)
+    return result

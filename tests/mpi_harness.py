@@ -114,6 +114,18 @@ def run_example(script, args, np=2, timeout=300, cwd=None):
     return run
 
 
+def cached_launches(worker, env=None, timeout=300):
+    """launch(np): runs `worker` on np ranks once (run_mpi) and hands every later caller the same run,
+    so all the tests of a module share one mpirun launch per np."""
+    runs = {}
+
+    def launch(np):
+        if np not in runs:
+            runs[np] = run_mpi(np, worker, timeout=timeout, env=env)
+        return runs[np]
+    return launch
+
+
 def assert_resumed_example(run, workdir, learning_rate, checkpoint_files):
     """Checks an example launch that resumed from `workdir`/ckpt after one saved epoch.
 

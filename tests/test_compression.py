@@ -8,18 +8,12 @@ from tf.train.Checkpoint exactly as an uninterrupted run, and bad ratios.
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, cached_launches, check_names
 
 WORKER = "compression_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-_runs = {}
-
-
-def launch(np):
-    if np not in _runs:
-        _runs[np] = run_mpi(np, WORKER, timeout=300, env=ENV)
-    return _runs[np]
+launch = cached_launches(WORKER, ENV)
 
 
 @pytest.mark.parametrize("np", [2, 3])

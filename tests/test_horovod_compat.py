@@ -9,19 +9,13 @@ One launch per world size runs every check of tests/workers/horovod_compat_worke
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, cached_launches, check_names
 
 WORKER = "horovod_compat_worker.py"
 # A collective that some ranks never submit fails after 30 s instead of hanging the launch.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30",
        "TF_MPI_OVERLAP": "0"}  # no start-up overlap probe for the gradient tapes (not what is tested here)
-_runs = {}
-
-
-def launch(np):
-    if np not in _runs:
-        _runs[np] = run_mpi(np, WORKER, timeout=300, env=ENV)
-    return _runs[np]
+launch = cached_launches(WORKER, ENV)
 
 
 @pytest.mark.parametrize("np", [2, 3])

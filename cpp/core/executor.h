@@ -69,7 +69,7 @@ class Executor {
   Executor(const MpiContext* mpi, const EngineConfig& config, const GpuTransportChoice& gpu,
            const HierarchicalChoice& hierarchical, ExecutorStats* stats, Timeline* timeline)
       : mpi_(mpi), collectives_(mpi, config.tunables.chunk_bytes),
-        hierarchical_(mpi, hierarchical, config.tunables.chunk_bytes),
+        hierarchical_(mpi, hierarchical, config),
         gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
         managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
         stats_(stats), timeline_(timeline), shm_(ShmCollectives::Create(mpi, config)) {}

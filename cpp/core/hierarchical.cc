@@ -73,10 +73,10 @@ Status AgreeOnChoice(const MpiContext& mpi, const HierarchicalChoice& c) {
 }
 
 HierarchicalAllreduce::HierarchicalAllreduce(const MpiContext* mpi, const HierarchicalChoice& choice,
-                                             int64_t chunk_bytes)
+                                             const EngineConfig& config)
     : mpi_(mpi), choice_(choice),
-      node_(choice.usable ? MakeNodeStage(mpi, chunk_bytes) : nullptr),
-      cross_(mpi, mpi->cross_comm(), chunk_bytes) {}
+      node_(choice.usable ? MakeNodeStage(mpi, config) : nullptr),
+      cross_(mpi, mpi->cross_comm(), config.tunables.chunk_bytes) {}
 
 void HierarchicalAllreduce::set_chunk_bytes(int64_t chunk_bytes) {
   if (node_) node_->set_chunk_bytes(chunk_bytes);
@@ -101,14 +101,14 @@ void HierarchicalAllreduce::Allreduce(const void* in, void* out, int64_t count, 
     auto t0 = Clock::now();
     // Reads all of the piece before the allgather below writes it, so in-place works.
     node_->ReduceScatter(src + done * elem, shard_.data(), layout, dtype, op);
-    if (phase) phase("MPI_NODE_REDUCESCATTER", t0);
+    if (phase) phase(node_->reducescatter_phase(), t0);
     t0 = Clock::now();
     // The members of cross_comm() share this local rank, hence this shard's size.
     if (mine > 0) cross_.Allreduce(nullptr, shard_.data(), mine, dtype, op);
     if (phase) phase("MPI_CROSS_ALLREDUCE", t0);
     t0 = Clock::now();
     node_->Allgather(shard_.data(), dst + done * elem, layout, dtype);
-    if (phase) phase("MPI_NODE_ALLGATHER", t0);
+    if (phase) phase(node_->allgather_phase(), t0);
   }
 }
 

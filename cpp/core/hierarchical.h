@@ -46,11 +46,13 @@ Status AgreeOnChoice(const MpiContext& mpi, const HierarchicalChoice& choice);
 class HierarchicalAllreduce {
  public:
   using Clock = std::chrono::steady_clock;
-  // Called after each phase with its name (MPI_NODE_REDUCESCATTER,
-  // MPI_CROSS_ALLREDUCE, MPI_NODE_ALLGATHER) and start time, for the timeline.
+  // Called after each phase with its name (MPI_NODE_REDUCESCATTER or
+  // SHM_NODE_REDUCESCATTER, MPI_CROSS_ALLREDUCE, MPI_NODE_ALLGATHER or
+  // SHM_NODE_ALLGATHER) and start time, for the timeline.
   using PhaseFn = std::function<void(const char* phase, Clock::time_point start)>;
 
-  HierarchicalAllreduce(const MpiContext* mpi, const HierarchicalChoice& choice, int64_t chunk_bytes);
+  // Collective over mpi->comm() (the node stage is chosen here, node_stage.h).
+  HierarchicalAllreduce(const MpiContext* mpi, const HierarchicalChoice& choice, const EngineConfig& config);
   bool Chooses(int64_t bytes) const { return choice_.Chooses(bytes); }
   const HierarchicalChoice& choice() const { return choice_; }
   void set_chunk_bytes(int64_t chunk_bytes);

@@ -1,5 +1,7 @@
 #include "node_stage.h"
 
+#include <stdexcept>
+
 namespace tfmpi {
 
 ShardLayout ShardLayout::Even(int64_t count, int parts) {
@@ -25,8 +27,24 @@ void MpiNodeStage::Allgather(const void* shard, void* out, const ShardLayout& la
   node_.Allgather(shard, out, layout.counts, static_cast<int64_t>(DataTypeSize(dtype)));
 }
 
-std::unique_ptr<NodeStage> MakeNodeStage(const MpiContext* mpi, int64_t chunk_bytes) {
-  return std::make_unique<MpiNodeStage>(mpi, chunk_bytes);
+namespace {
+void ThrowIfFailed(const Status& s) {
+  if (!s.ok()) throw std::runtime_error(s.message);
+}
+}  // namespace
+
+void ShmNodeStage::ReduceScatter(const void* in, void* shard, const ShardLayout& layout, DataType dtype,
+                                 ReduceOp op) {
+  ThrowIfFailed(shm_->ReduceScatter(in, shard, layout.counts, dtype, op, 1.0, 1.0));
+}
+
+void ShmNodeStage::Allgather(const void* shard, void* out, const ShardLayout& layout, DataType dtype) {
+  ThrowIfFailed(shm_->Allgather(shard, out, layout.counts, dtype));
+}
+
+std::unique_ptr<NodeStage> MakeNodeStage(const MpiContext* mpi, const EngineConfig& config) {
+  if (auto shm = ShmCollectives::ForNodeStage(mpi, config)) return std::make_unique<ShmNodeStage>(std::move(shm));
+  return std::make_unique<MpiNodeStage>(mpi, config.tunables.chunk_bytes);
 }
 
 }  // namespace tfmpi

@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "collectives.h"
+#include "env.h"
 #include "mpi_context.h"
+#include "shm_allreduce.h"
 #include "types.h"
 
 namespace tfmpi {
@@ -35,6 +37,9 @@ class NodeStage {
   virtual void Allgather(const void* shard, void* out, const ShardLayout& layout, DataType dtype) = 0;
   // Must change at the same point of the decision stream on every rank (see tunables.h).
   virtual void set_chunk_bytes(int64_t chunk_bytes) = 0;
+  // The timeline's names of the two phases (MPI_NODE_* or SHM_NODE_*).
+  virtual const char* reducescatter_phase() const = 0;
+  virtual const char* allgather_phase() const = 0;
 };
 
 // MPI collectives on MpiContext::node_comm(). Counts must fit an int (the
@@ -46,12 +51,34 @@ class MpiNodeStage : public NodeStage {
   void ReduceScatter(const void* in, void* shard, const ShardLayout& layout, DataType dtype, ReduceOp op) override;
   void Allgather(const void* shard, void* out, const ShardLayout& layout, DataType dtype) override;
   void set_chunk_bytes(int64_t chunk_bytes) override { node_.set_chunk_bytes(chunk_bytes); }
+  const char* reducescatter_phase() const override { return "MPI_NODE_REDUCESCATTER"; }
+  const char* allgather_phase() const override { return "MPI_NODE_ALLGATHER"; }
 
  private:
   Collectives node_;
 };
 
-// The node stage this process uses: the one place to choose another transport.
-std::unique_ptr<NodeStage> MakeNodeStage(const MpiContext* mpi, int64_t chunk_bytes);
+// The node's shared-memory window (shm_allreduce.h): the same block layout,
+// each rank reducing its own shard reading the others' data where it lies. A
+// failure (a peer that exited) throws: the other nodes are already inside the
+// cross-node stage with this one, so the job cannot go on (Protocol::RunBatch).
+class ShmNodeStage : public NodeStage {
+ public:
+  explicit ShmNodeStage(std::unique_ptr<ShmCollectives> shm) : shm_(std::move(shm)) {}
+  void ReduceScatter(const void* in, void* shard, const ShardLayout& layout, DataType dtype, ReduceOp op) override;
+  void Allgather(const void* shard, void* out, const ShardLayout& layout, DataType dtype) override;
+  // The shared-memory pipeline has its own step size (TF_MPI_SHM_CHUNK_BYTES).
+  void set_chunk_bytes(int64_t) override {}
+  const char* reducescatter_phase() const override { return "SHM_NODE_REDUCESCATTER"; }
+  const char* allgather_phase() const override { return "SHM_NODE_ALLGATHER"; }
+
+ private:
+  std::unique_ptr<ShmCollectives> shm_;
+};
+
+// The node stage this process uses: shared memory where TF_MPI_SHM allows it
+// on this node (ShmCollectives::ForNodeStage), MPI otherwise. Collective over
+// mpi->comm().
+std::unique_ptr<NodeStage> MakeNodeStage(const MpiContext* mpi, const EngineConfig& config);
 
 }  // namespace tfmpi

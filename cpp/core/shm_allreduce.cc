@@ -53,6 +53,20 @@ std::unique_ptr<ShmCollectives> ShmCollectives::ForNode(MPI_Comm local, int64_t 
   return std::unique_ptr<ShmCollectives>(new ShmCollectives(std::move(segment), min_bytes));
 }
 
+std::unique_ptr<ShmCollectives> ShmCollectives::ForNodeStage(const MpiContext* mpi, const EngineConfig& config) {
+  int64_t settings[3] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes};
+  MPI_Bcast(settings, 3, MPI_INT64_T, 0, mpi->comm());
+  const Mode mode = static_cast<Mode>(settings[0]);
+  // Every node has local_size() ranks (the hierarchical path needs it) and
+  // the machines of a job have the same core count, so every rank decides alike.
+  if (mode == Mode::kOff || mpi->local_size() < 2) return nullptr;
+  if (mode == Mode::kAuto && mpi->local_size() > sysconf(_SC_NPROCESSORS_ONLN)) return nullptr;
+  std::string why;
+  auto shm = ForNode(mpi->node_comm(), settings[2], 0, config.stall_shutdown_s, &why);
+  if (!shm && mpi->rank() == 0) LogWarning("the hierarchical allreduce's node stage keeps MPI: " + why);
+  return shm;
+}
+
 std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, const EngineConfig& config) {
   // Rank 0's settings everywhere: the choice must be the same on every rank.
   int64_t settings[3] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes};

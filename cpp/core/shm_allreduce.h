@@ -70,6 +70,11 @@ class ShmCollectives {
   // arguments): nullptr and `*why` when no segment could be set up.
   static std::unique_ptr<ShmCollectives> ForNode(MPI_Comm local, int64_t chunk_bytes, int64_t min_bytes,
                                                  double stall_limit_s, std::string* why);
+  // For the node stage of the hierarchical allreduce (node_stage.h): collective
+  // over mpi->comm(); rank 0's TF_MPI_SHM* settings on every rank, the same
+  // rules as Create except that the job spans several (real or pretend)
+  // nodes. nullptr: the node stage keeps MPI.
+  static std::unique_ptr<ShmCollectives> ForNodeStage(const MpiContext* mpi, const EngineConfig& config);
 
   // Whether an allreduce of `bytes` on the host takes this path; the same
   // answer on every rank for the same bytes (see SetPaused).

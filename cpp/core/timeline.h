@@ -6,7 +6,8 @@
 //   MEMCPY_IN_FUSION_BUFFER / MPI_ALLREDUCE / MEMCPY_OUT_FUSION_BUFFER
 //               the fused bucket's phases, on every member's track, with the
 //               bucket id and its member count in args (so fusion is visible)
-//   MPI_NODE_REDUCESCATTER / MPI_CROSS_ALLREDUCE / MPI_NODE_ALLGATHER
+//   MPI_NODE_REDUCESCATTER / MPI_CROSS_ALLREDUCE / MPI_NODE_ALLGATHER (SHM_NODE_*
+//               when the node stage runs over shared memory)
 //               inside MPI_ALLREDUCE when the buffer went hierarchical (hierarchical.h)
 //               (SHM_ALLREDUCE instead of MPI_ALLREDUCE when the bucket ran
 //               over shared memory, shm_allreduce.h, with the microseconds it

@@ -30,7 +30,8 @@ if WITH_TF:
     import tf_mpi.keras as hvd_keras
 
 TOPOLOGIES = os.environ["TF_MPI_TEST_TOPOLOGIES"].split(",")
-SETTINGS = ("TF_MPI_TOPOLOGY", "TF_MPI_HIERARCHICAL", "TF_MPI_HIERARCHICAL_THRESHOLD", "TF_MPI_INTER_NODE_LINK")
+SETTINGS = ("TF_MPI_TOPOLOGY", "TF_MPI_HIERARCHICAL", "TF_MPI_HIERARCHICAL_THRESHOLD", "TF_MPI_INTER_NODE_LINK",
+            "TF_MPI_SHM")
 SUM, AVERAGE, MIN, MAX, PRODUCT = (int(basics.Sum), int(basics.Average), int(basics.Min), int(basics.Max),
                                    int(basics.Product))
 OPS = {SUM: "Sum", AVERAGE: "Average", MIN: "Min", MAX: "Max", PRODUCT: "Product"}
@@ -158,7 +159,7 @@ def check_topology_queries_follow_the_pretend_topology():
 
 def check_hierarchical_matches_flat_for_every_dtype_and_op():
     for topology in TOPOLOGIES:
-        reinit(TF_MPI_TOPOLOGY=topology, TF_MPI_HIERARCHICAL=1)
+        reinit(TF_MPI_TOPOLOGY=topology, TF_MPI_HIERARCHICAL=1, TF_MPI_SHM=0)
         info = _core.hierarchical()
         assert info["usable"] and info["min_bytes"] == 0 and info["max_bytes"] is None, info
         hier, d = stats_delta(run_cases)
@@ -235,10 +236,35 @@ def check_forced_on_without_several_nodes_is_a_logged_no_op():
 
 
 def check_timeline_shows_the_three_phases():
-    reinit(TF_MPI_TOPOLOGY=TOPOLOGIES[0], TF_MPI_HIERARCHICAL=1)
-    path = os.path.join(os.environ["TF_MPI_TEST_OUT"], "hierarchical_trace.json")
+    assert_phases_nested(node_transport="MPI")
+
+
+def check_node_stage_over_shared_memory_matches_the_mpi_node_stage():
+    """TF_MPI_SHM=1: the node stage reduces through the node's shared-memory window (pretend nodes
+    share one machine's memory), with the same results as the MPI node stage."""
+    for topology in TOPOLOGIES:
+        reinit(TF_MPI_TOPOLOGY=topology, TF_MPI_HIERARCHICAL=1, TF_MPI_SHM=1)
+        shm, d = stats_delta(run_cases)
+        assert d["hierarchical_allreduces"] == d["allreduce_buckets"] > len(shm) // 4, (topology, d)
+        assert_same_on_every_rank([y for _, y in shm], f"{topology} shared-memory node stage")
+        reinit(TF_MPI_TOPOLOGY=topology, TF_MPI_HIERARCHICAL=1, TF_MPI_SHM=0)
+        mpi, _ = stats_delta(run_cases)
+        for (case, a), (_, b) in zip(shm, mpi):
+            what = f"{topology} {case}: shared memory {a.ravel()[:6]} MPI {b.ravel()[:6]}"
+            if "random" in case or "float32.big" == case:  # the node's additions may run in another order
+                assert np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=0, atol=ATOL[a.dtype.type]), what
+            else:
+                assert a.tobytes() == b.tobytes(), what
+    assert_phases_nested(node_transport="SHM")
+
+
+def assert_phases_nested(node_transport):
+    """The timeline shows the node stage (over `node_transport`), the cross-node allreduce and the node
+    allgather inside the buffer's MPI_ALLREDUCE."""
+    reinit(TF_MPI_TOPOLOGY=TOPOLOGIES[0], TF_MPI_HIERARCHICAL=1, TF_MPI_SHM=1 if node_transport == "SHM" else 0)
+    path = os.path.join(os.environ["TF_MPI_TEST_OUT"], f"hierarchical_trace_{node_transport}.json")
     _core.start_timeline(path)  # rank 0 writes it
-    _core.allreduce(np.ones(1000, np.float32), SUM, "traced.hierarchical")
+    _core.allreduce(np.ones(1000, np.float32), SUM, f"traced.hierarchical.{node_transport}")
     _core.stop_timeline()
     _core.allreduce(np.ones(1, np.float32), SUM, name("after.trace"))  # rank 0 has written the file
     if WORLD_RANK != 0:
@@ -249,9 +275,9 @@ def check_timeline_shows_the_three_phases():
     events = events["traceEvents"] if isinstance(events, dict) else events
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
     spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("ph") == "X" and tracks.get(e["tid"]) == "traced.hierarchical"]
+             if e.get("ph") == "X" and tracks.get(e["tid"]) == f"traced.hierarchical.{node_transport}"]
     names = [n for n, _, _ in spans]
-    phases = ["MPI_NODE_REDUCESCATTER", "MPI_CROSS_ALLREDUCE", "MPI_NODE_ALLGATHER"]
+    phases = [f"{node_transport}_NODE_REDUCESCATTER", "MPI_CROSS_ALLREDUCE", f"{node_transport}_NODE_ALLGATHER"]
     assert [n for n in names if n in phases] == phases, names
     outer = [(s, e) for n, s, e in spans if n == "MPI_ALLREDUCE"]
     assert len(outer) == 1, names

@@ -157,18 +157,22 @@ class GradientReducer:
             dense.append(i)
         if not dense:
             return out
-        plan = self._make_plan([out[i] for i in dense], [variables[i] for i in dense])
         op, prescale, postscale = self._scaling()
-        if self.order_backprop:
-            backprop_order.order_backprop([[out[dense[j]] for j in group.indices] for group in plan.groups])
-        for k, group in enumerate(plan.groups):
-            members = [dense[j] for j in group.indices]
-            reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=plan.collective_name(k),
+        for collective_name, members in self._planned_groups(out, dense, variables):
+            reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=collective_name,
                                             prescale_factor=prescale, postscale_factor=postscale,
                                             compression=self.compression, device_dense=self.device_dense)
             for i, r in zip(members, reduced):
                 out[i] = r
         return out
+
+    def _planned_groups(self, out, indices, variables):
+        """The grouping plan of out[indices] (verified on every rank, and imposed on backprop with
+        order_backprop): (collective name, indices into `out`) per group, in plan order."""
+        plan = self._make_plan([out[i] for i in indices], [variables[i] for i in indices])
+        if self.order_backprop:
+            backprop_order.order_backprop([[out[indices[j]] for j in group.indices] for group in plan.groups])
+        return [(plan.collective_name(k), [indices[j] for j in group.indices]) for k, group in enumerate(plan.groups)]
 
     def _make_plan(self, tensors, variables):
         plan = grouping.make_plan(tensors, variables, threshold_bytes=self.threshold_bytes,
@@ -185,19 +189,15 @@ class GradientReducer:
         present = [i for i, g in enumerate(out) if g is not None]
         if not present:
             return out
-        plan = self._make_plan([out[i] for i in present], [variables[i] for i in present])
         op, prescale, postscale = self._scaling()
-        if self.order_backprop:
-            backprop_order.order_backprop([[out[present[j]] for j in group.indices] for group in plan.groups])
-        for k, group in enumerate(plan.groups):
-            members = [present[j] for j in group.indices]
+        for collective_name, members in self._planned_groups(out, present, variables):
             residuals = [self._residuals.get(variable_key(variables[i])) for i in members]
             residuals = [self.compression.residual_for(variables[i]) if r is None else r
                          for i, r in zip(members, residuals)]
             with ops._on_device(self.device_dense):
                 reduced = self.compression.reduce([out[i] for i in members], residuals, op=op,
                                                   prescale_factor=prescale, postscale_factor=postscale,
-                                                  name=plan.collective_name(k))
+                                                  name=collective_name)
             for i, r in zip(members, reduced):
                 out[i] = r
         return out

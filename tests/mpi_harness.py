@@ -39,6 +39,10 @@ class MpiRun:
         self.returncode, self.output, self.results = returncode, output, results
         self.elapsed, self.timed_out = elapsed, timed_out
 
+    def assert_clean_exit(self):
+        """The launch ended on its own (no time-out) with exit code 0 on every rank."""
+        assert not self.timed_out and self.returncode == 0, self.describe()
+
     def describe(self):
         tail = self.output[-6000:]
         return f"rc={self.returncode} timed_out={self.timed_out} elapsed={self.elapsed:.1f}s\n--- output tail ---\n{tail}"

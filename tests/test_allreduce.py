@@ -28,8 +28,7 @@ def launch(np):
 @pytest.mark.parametrize("np", sorted(CONFIGS))
 def test_launch_exits_cleanly(np):
     """Workers exit without calling shutdown(): the job must still end with rc 0 and no MPI complaints."""
-    run = launch(np)
-    assert not run.timed_out and run.returncode == 0, run.describe()
+    launch(np).assert_clean_exit()
     assert "exited improperly" not in run.output and "MPI_ABORT" not in run.output, run.describe()
 
 

@@ -20,8 +20,7 @@ launch = cached_launches(WORKER, ENV)
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_launch_exits_cleanly(np):
-    run = launch(np)
-    assert not run.timed_out and run.returncode == 0, run.describe()
+    launch(np).assert_clean_exit()
 
 
 @pytest.mark.parametrize("np", [2, 3])

@@ -18,8 +18,7 @@ def launch():
 
 
 def test_launch_exits_cleanly():
-    run = launch()
-    assert not run.timed_out and run.returncode == 0, run.describe()
+    launch().assert_clean_exit()
 
 
 @pytest.mark.parametrize("check", check_names(WORKER))

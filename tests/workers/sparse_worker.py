@@ -7,6 +7,7 @@ additions, so Sum (and Average over 2 ranks, a division by a power of two)
 must match exactly; Average over 3 ranks divides at a different point in
 the dense and the deduplicated paths and is compared within one rounding.
 """
+import contextlib
 import hashlib
 import os
 import sys
@@ -31,6 +32,19 @@ R, N = hvd.rank(), hvd.size()
 V, W = 50, 3  # table rows, row width
 DTYPES = {"float32": (tf.float32, 0.0), "float16": (tf.float16, 1e-3), "bfloat16": (tf.bfloat16, 1e-2)}
 THRESHOLD_ENV = "TF_MPI_SPARSE_DEDUP_THRESHOLD"
+
+
+@contextlib.contextmanager
+def threshold_restored():
+    """Puts TF_MPI_SPARSE_DEDUP_THRESHOLD back as it was, whatever the block sets it to."""
+    previous = os.environ.get(THRESHOLD_ENV)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(THRESHOLD_ENV, None)
+        else:
+            os.environ[THRESHOLD_ENV] = previous
 
 
 def rank_slices(case, rank):
@@ -121,8 +135,7 @@ def check_auto_takes_the_same_branch_everywhere_and_both_are_exact():
     # touched rows T < threshold * V. In rank_dependent_density rank 0 touches ~0.98 V rows
     # and the others 3 each: at 0.9 a choice from each rank's own count would split the
     # ranks (rank 0 dense, the others dedup); T/V > 1 is the same everywhere: dense.
-    previous = os.environ.get(THRESHOLD_ENV)
-    try:
+    with threshold_restored():
         for threshold, case, branch in (("1e9", "rank_dependent_density", "dedup"),
                                         ("0.9", "rank_dependent_density", "dense"),
                                         ("1.0", "all_rows", "dense"),
@@ -138,11 +151,6 @@ def check_auto_takes_the_same_branch_everywhere_and_both_are_exact():
                 f"{case} threshold {threshold}: wanted the {branch} branch, {dense_allreduces} dense allreduces ran"
             taken = _core.allgather(np.array([dense_allreduces], np.int64), f"branch.{case}.{threshold}")
             assert len(set(taken.tolist())) == 1, f"ranks took different branches: {taken}"
-    finally:
-        if previous is None:
-            os.environ.pop(THRESHOLD_ENV, None)
-        else:
-            os.environ[THRESHOLD_ENV] = previous
 
 
 def check_measured_cost_model_is_rank_0s_everywhere():
@@ -252,16 +260,10 @@ def check_bad_sparse_arguments_fail_clearly():
     ints = tf.IndexedSlices(tf.ones([2, W], tf.int32), tf.constant([0, 1]), tf.constant([V, W]))
     raises(lambda: GradientReducer("ints", sparse="dedup").reduce([ints], [_variable]), TypeError,
            "float gradients", "int32")
-    previous = os.environ.get(THRESHOLD_ENV)
-    os.environ[THRESHOLD_ENV] = "often"
-    try:
+    with threshold_restored():
+        os.environ[THRESHOLD_ENV] = "often"
         raises(lambda: reduce_once("auto", "duplicates", tf.float32, hvd.Sum), ValueError,
                "TF_MPI_SPARSE_DEDUP_THRESHOLD must be a number", "'often'")
-    finally:
-        if previous is None:
-            os.environ.pop(THRESHOLD_ENV, None)
-        else:
-            os.environ[THRESHOLD_ENV] = previous
 
 
 def check_horovod_defaults_are_kept():

@@ -28,7 +28,8 @@ def launch(np):
 @pytest.mark.parametrize("np", sorted(CONFIGS))
 def test_launch_exits_cleanly(np):
     """Workers exit without calling shutdown(): the job must still end with rc 0 and no MPI complaints."""
-    launch(np).assert_clean_exit()
+    run = launch(np)
+    run.assert_clean_exit()
     assert "exited improperly" not in run.output and "MPI_ABORT" not in run.output, run.describe()
 
 

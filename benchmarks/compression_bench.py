@@ -125,8 +125,19 @@ def wire_bytes(mode, n_elems, ks, n_ranks):
     k = sum(ks)
     if mode == "topk":
         return (n_ranks - 1) * 8 * k
-    pow2 = 1 << (n_ranks.bit_length() - 1)  # ranks past it add one round each way
-    return (int(math.log2(pow2)) + (1 if n_ranks > pow2 else 0)) * 8 * k
+    # gTop-k, the busiest rank: log2(P) rounds of 8k among the largest power of two P <= N; past
+    # P, the result goes back as indices from one rank and values from another (4k bytes each,
+    # 8k for some ranks once more than P/2 ranks are past P).
+    pow2 = 1 << (n_ranks.bit_length() - 1)
+    extras = n_ranks - pow2
+    back = 0 if extras == 0 else 4 if 2 * extras <= pow2 else 8
+    return (8 * int(math.log2(pow2)) + back) * k
+
+
+def gtopk_messages(n_ranks):
+    """Messages the busiest rank sends per step under gTop-k: one per round, one more past a power of two."""
+    pow2 = 1 << (n_ranks.bit_length() - 1)
+    return int(math.log2(pow2)) + (1 if n_ranks > pow2 else 0)
 
 
 def main():
@@ -196,7 +207,7 @@ def main():
               f"{m['step_ms_median']:>8.2f} [{m['step_ms_min']:.2f}, {m['step_ms_max']:.2f}] "
               f"{m['step_ms_median'] / dense['step_ms_median']:>6.2f}x")
     # Messages per rank and step: ring allreduce 2(N-1), ring allgather N-1, gTop-k one per round.
-    rounds = wire_bytes("gtopk", 0, [1], size) // 8
+    rounds = gtopk_messages(size)
     extra_messages = {"topk": (size - 1) - 2 * (size - 1), "gtopk": rounds - 2 * (size - 1)}
     for mode in ("topk", "gtopk"):
         saved = dense["wire_bytes_per_step_per_rank_model"] - result["modes"][mode]["wire_bytes_per_step_per_rank_model"]

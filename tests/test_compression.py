@@ -1,4 +1,4 @@
-"""Top-k / gTop-k compression with error feedback under real mpirun, np=2 and np=3.
+"""Top-k / gTop-k compression with error feedback under real mpirun, np=2 and np=3 (gTop-k also at np=7).
 
 tests/workers/compression_worker.py checks, on every rank: results and
 residuals bit for bit against a numpy simulation of the algorithm (ties
@@ -14,9 +14,18 @@ WORKER = "compression_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 launch = cached_launches(WORKER, ENV)
+# 7 ranks: 3 past the largest power of two (4), so one rank sends the result's
+# indices to one of them and its values to another.
+GTOPK_UNEVEN = ["check_gtopk_matches_numpy_eager", "check_byte_counters_show_the_reduction"]
+launch_uneven = cached_launches(WORKER, {**ENV, "TF_MPI_TEST_ONLY": ",".join(GTOPK_UNEVEN)}, timeout=400)
 
 
 @pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("check", check_names(WORKER))
 def test_compression(np, check):
     assert_check(launch(np), np, check)
+
+
+@pytest.mark.parametrize("check", GTOPK_UNEVEN)
+def test_gtopk_seven_ranks(check):
+    assert_check(launch_uneven(7), 7, check)

@@ -66,22 +66,29 @@ def select_topk(acc, k):
     return idx, tf.gather(acc, idx)
 
 
-def _pack(parts):
-    """Concatenates (indices, values) pairs of several tensors into one flat uint8 buffer."""
-    chunks = []
-    for idx, val in parts:
-        chunks.append(tf.reshape(tf.bitcast(idx, tf.uint8), [-1]))
-        chunks.append(tf.reshape(tf.bitcast(val, tf.uint8), [-1]))
+_PAIRS = (0, 1)  # fields of a (indices, values) pair that _pack / _unpack carry: both
+_INDICES = (0,)
+_VALUES = (1,)
+
+
+def _pack(parts, fields=_PAIRS):
+    """Concatenates the chosen fields of (indices, values) pairs of several tensors into one flat uint8 buffer."""
+    chunks = [tf.reshape(tf.bitcast(part[f], tf.uint8), [-1]) for part in parts for f in fields]
     return tf.concat(chunks, 0)
 
 
-def _unpack(buf, layout):
-    """Inverse of _pack for a [rows, bytes] buffer: per tensor, ([rows * k] indices, [rows * k] values)."""
+def _packed_bytes(layout, fields=_PAIRS):
+    """Bytes _pack produces for one set of pairs of `layout`."""
+    return sum(k * (_INDEX_DTYPE if f == 0 else dtype).size for k, dtype in layout for f in fields)
+
+
+def _unpack(buf, layout, fields=_PAIRS):
+    """Inverse of _pack for a [rows, bytes] buffer: per tensor, a tuple of [rows * k] tensors, one per field."""
     rows = tf.shape(buf)[0]
     out, offset = [], 0
     for k, dtype in layout:
         parts = []
-        for dt in (_INDEX_DTYPE, dtype):
+        for dt in ((_INDEX_DTYPE, dtype)[f] for f in fields):
             width = dt.size
             piece = tf.reshape(buf[:, offset:offset + k * width], [rows * k, width])
             parts.append(tf.bitcast(piece, dt))
@@ -229,8 +236,10 @@ class GTopKCompressor(SparsifyingCompressor):
 
     log2(size()) rounds of pairwise merges (recursive doubling, each an
     alltoall that sends only to the partner): 8k bytes per rank and round for
-    float32. A size() that is not a power of two adds one round before and one
-    after for the ranks past the largest power of two and their partners.
+    float32. A size() that is not a power of two adds a round before (the
+    ranks past the largest power of two hand their pairs to a partner) and one
+    after (they get the result back, indices from one rank and values from
+    another: 4k bytes more for the senders).
 
     Example::
 
@@ -273,22 +282,58 @@ class GTopKCompressor(SparsifyingCompressor):
                 sets, path = self._merge(sets, other, ks, sizes, path)
             else:
                 round_trip(None, None, f"round{j}", None)
-        # After: the result back to the ranks past the power of two, each index
-        # sent as its bitwise complement where their partner's path dropped it.
+        # After: the result back to the ranks past the power of two, indices
+        # from one rank and values from another, so that a sender pays half a
+        # set on top of the doubling rounds instead of a whole one (see
+        # _result_senders).
         if n_ranks > pow2:
-            if me >= pow2:
-                got = round_trip(None, None, "post", layout)
-                sets = [(tf.where(i < 0, tf.bitwise.invert(i), i), v) for i, v in got]
-                path = [tf.scatter_nd(j[:, None], tf.cast(i >= 0, tf.int32), [n])
-                        for (i, _), (j, _), n in zip(got, sets, sizes)]
-            elif me + pow2 < n_ranks:
-                marked = [(tf.where(tf.gather(p, i) > 0, i, tf.bitwise.invert(i)), v) for (i, v), p in zip(sets, path)]
-                round_trip(_pack(marked), me + pow2, "post", None)
-            else:
-                round_trip(None, None, "post", None)
+            sets, path = self._hand_back(sets, path, layout, sizes, pow2, f"{name}.gtopk.post")
         results = [tf.scatter_nd(i[:, None], v, [n]) for (i, v), n in zip(sets, sizes)]
         included = [tf.logical_and(_mask(idx, n), p > 0) for (idx, _), p, n in zip(parts, path, sizes)]
         return results, included
+
+    @staticmethod
+    def _result_senders(extra, n_ranks, pow2):
+        """(index sender, value sender) of the result for rank `extra` >= pow2.
+
+        The index sender is `extra`'s partner (extra - pow2), whose path
+        `extra` shares: it sends the k indices, each complemented where that
+        path dropped it. Every rank below pow2 holds the same k pairs after
+        the doubling rounds, so the values can come from another one: with
+        r = n_ranks - pow2 extra ranks, rank (extra - pow2 + r) mod pow2,
+        which is not a partner while r <= pow2 / 2 and never `extra`'s own.
+        """
+        r = n_ranks - pow2
+        return extra - pow2, (extra - pow2 + r) % pow2
+
+    def _hand_back(self, sets, path, layout, sizes, pow2, name):
+        """The final alltoall: ranks past pow2 receive indices and values from their two senders."""
+        n_ranks, me = basics.size(), basics.rank()
+        splits, payload = [0] * n_ranks, []
+        for extra in range(pow2, n_ranks):  # destinations in rank order, as alltoall concatenates them
+            index_sender, value_sender = self._result_senders(extra, n_ranks, pow2)
+            if me == index_sender:
+                marked = [(tf.where(tf.gather(p, i) > 0, i, tf.bitwise.invert(i)), v) for (i, v), p in zip(sets, path)]
+                payload.append(_pack(marked, _INDICES))
+                splits[extra] += _packed_bytes(layout, _INDICES)
+            if me == value_sender:
+                payload.append(_pack(sets, _VALUES))
+                splits[extra] += _packed_bytes(layout, _VALUES)
+        payload = tf.concat(payload, 0) if payload else tf.zeros([0], tf.uint8)
+        received, _ = _mpi().alltoall(payload, splits=splits, name=name)
+        if me < pow2:
+            return sets, path
+        # Received in source rank order: the index half and the value half.
+        index_sender, value_sender = self._result_senders(me, n_ranks, pow2)
+        cut = _packed_bytes(layout, _INDICES if index_sender < value_sender else _VALUES)
+        first, second = received[:cut], received[cut:]
+        index_bytes, value_bytes = (first, second) if index_sender < value_sender else (second, first)
+        marked = _unpack(tf.reshape(index_bytes, [1, -1]), layout, _INDICES)
+        values = _unpack(tf.reshape(value_bytes, [1, -1]), layout, _VALUES)
+        sets = [(tf.where(i < 0, tf.bitwise.invert(i), i), v) for (i,), (v,) in zip(marked, values)]
+        path = [tf.scatter_nd(j[:, None], tf.cast(i >= 0, tf.int32), [n])
+                for (i,), (j, _), n in zip(marked, sets, sizes)]
+        return sets, path
 
     @staticmethod
     def _merge(mine, other, ks, sizes, path):

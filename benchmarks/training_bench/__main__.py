@@ -33,6 +33,9 @@ def parse_args():
                           "densified and allreduced, allgathered, deduplicated, or chosen by cost. A worker takes "
                           "one; the driver runs the groupings with the first and adds a `tfmpi graph <mode>` "
                           "launch for each other one ('both' = dense allgather)")
+    sel.add_argument("--shm-off", action="store_true",
+                     help="driver: also run every model's `tfmpi graph` launch (and --timeline launch) with "
+                          "TF_MPI_SHM=0, so shared memory on (the default) and off are compared in the same run")
     sel.add_argument("--precision", choices=PRECISIONS + ["both"], default="float32",
                      help="Keras dtype policy ('both': driver only)")
     timing = p.add_argument_group("timing")

@@ -30,12 +30,13 @@ class Variant:
     grouping: str = None
     timeline: bool = False  # writes a tf_mpi timeline: for the overlap analysis, not for throughput
     sparse: str = "dense"
+    shm_off: bool = False  # TF_MPI_SHM=0: the engine's MPI path instead of shared memory
 
     @property
     def label(self):
-        """'single', 'tfmpi graph', ..., 'mwms', 'tfmpi graph allgather', 'tfmpi graph +timeline'."""
+        """'single', 'tfmpi graph', ..., 'mwms', 'tfmpi graph allgather', 'tfmpi graph shm=0 +timeline'."""
         words = [self.mode, self.grouping, None if self.sparse == "dense" else self.sparse,
-                 "+timeline" if self.timeline else None]
+                 "shm=0" if self.shm_off else None, "+timeline" if self.timeline else None]
         return " ".join(w for w in words if w)
 
 
@@ -54,10 +55,11 @@ def sparse_modes(sparse):
     return modes
 
 
-def selected_variants(modes, groupings, sparse, model):
+def selected_variants(modes, groupings, sparse, model, shm_off=False):
     """The variants to run for `model`, baseline first (efficiencies need it). Every
     tfmpi grouping reduces sparse gradients the first --sparse way; models that have
-    one also run `tfmpi graph <mode>` for every other --sparse mode."""
+    one also run `tfmpi graph <mode>` for every other --sparse mode; shm_off adds
+    `tfmpi graph shm=0`."""
     sparse = sparse_modes(sparse)
     has_sparse = model in SPARSE_GRADIENT_MODELS
     variants = []
@@ -69,6 +71,9 @@ def selected_variants(modes, groupings, sparse, model):
                          for g in GROUPING_NAMES if g in groupings]
             if has_sparse:
                 variants += [Variant("tfmpi", "graph", sparse=m) for m in sparse[1:]]
+            if shm_off:
+                variants.append(Variant("tfmpi", "graph", sparse=sparse[0] if has_sparse else "dense",
+                                        shm_off=True))
         else:
             variants.append(Variant(mode))
     return variants
@@ -110,10 +115,10 @@ def free_ports(n):
             s.close()
 
 
-def timeline_path(prefix, model, precision):
-    """Per-launch timeline file: trace.json -> trace.<model>.<precision>.json."""
+def timeline_path(prefix, model, precision, shm_off=False):
+    """Per-launch timeline file: trace.json -> trace.<model>.<precision>[.shm0].json."""
     root, ext = os.path.splitext(prefix)
-    return f"{root}.{model}.{precision}{ext or '.json'}"
+    return f"{root}.{model}.{precision}{'.shm0' if shm_off else ''}{ext or '.json'}"
 
 
 def tf_mpi_launcher():
@@ -135,9 +140,11 @@ def launch_commands(variant, model, precision, args):
         return [([sys.executable] + script, env)] * DISTRIBUTED_PROCESSES, None
     if variant.mode == "tfmpi":
         env.update(GROUPING_ENV[variant.grouping])
+        if variant.shm_off:
+            env["TF_MPI_SHM"] = "0"
         trace = None
         if variant.timeline:
-            trace = timeline_path(args.timeline, model, precision)
+            trace = timeline_path(args.timeline, model, precision, variant.shm_off)
             env["TF_MPI_TIMELINE"] = trace
         launcher = tf_mpi_launcher()
         argv = launcher.mpirun_command(DISTRIBUTED_PROCESSES, [sys.executable] + script)
@@ -309,11 +316,12 @@ def run_driver(args):
         apply_quick(args)
     precisions = PRECISIONS if args.precision == "both" else [args.precision]
     launches = [(r, p, m, v) for r in range(args.rounds) for p in precisions for m in args.models
-                for v in rotated(selected_variants(args.modes, args.groupings, args.sparse, m), r)]
+                for v in rotated(selected_variants(args.modes, args.groupings, args.sparse, m, args.shm_off), r)]
     if args.timeline:
         # Writing the trace costs rank 0 time, so it is a launch of its own
         # (once per model), kept out of the throughput comparison.
-        launches += [(0, p, m, Variant("tfmpi", "graph", timeline=True)) for p in precisions for m in args.models]
+        launches += [(0, p, m, Variant("tfmpi", "graph", timeline=True, shm_off=off)) for p in precisions
+                     for m in args.models for off in ([False, True] if args.shm_off else [False])]
     began = time.time()
     results = []
     for k, (round_index, precision, model, variant) in enumerate(launches, 1):

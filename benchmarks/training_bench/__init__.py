@@ -20,7 +20,9 @@ mixed_float16. Each measurement is its own launch:
            (sparse="dense"; --sparse both adds `tfmpi graph allgather`,
            where it is allgathered as tf.IndexedSlices instead; --sparse dense
            dedup auto adds `tfmpi graph dedup` and `tfmpi graph auto`, see
-           docs/sparse-gradients.md).
+           docs/sparse-gradients.md). --shm-off adds `tfmpi graph shm=0`, the
+           same launch with TF_MPI_SHM=0 (the engine's MPI path instead of
+           the shared-memory allreduce), and a timeline launch for it.
   mwms     tf.distribute.MultiWorkerMirroredStrategy, 2 worker processes on
            localhost (TF_CONFIG, free ports), RING collectives, global batch 128.
 
@@ -54,6 +56,10 @@ Run from the repository root (the driver spawns every launch itself)::
     # trace.<model>.<precision>.json), analysed with tf_mpi.timeline_analysis (overlap, tail);
     # it is reported as "tfmpi graph +timeline" and not used for throughput (tracing costs rank 0 time):
     python benchmarks/training_bench.py --driver --modes single tfmpi --groupings graph --timeline /tmp/trace.json
+
+    # Shared memory on (the default) against TF_MPI_SHM=0 in the same run, with both exposed tails:
+    python benchmarks/training_bench.py --driver --modes single pair tfmpi --groupings graph --shm-off \
+        --rounds 5 --timeline /tmp/trace.json
 
     # Plot a saved result file again, or print it as the Markdown table of docs/performance.md:
     python benchmarks/training_bench.py --plot train.png --results train.json

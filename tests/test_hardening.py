@@ -7,7 +7,7 @@ import pytest
 from mpi_harness import assert_check, check_names, run_mpi
 
 WORKER = "hardening_worker.py"
-SCENARIOS = {"engine": 3, "big": 1, "corrupt": 3, "stale": 2, "serialized": 2}
+SCENARIOS = {"engine": 3, "big": 1, "corrupt": 3, "stale": 2, "serialized": 2, "settings": 3}
 # 64 MiB chunks: the > 2^31 reducescatter moves 2 GiB, in fewer calls than the default 1 MiB.
 ENV = {"big": {"TF_MPI_CHUNK_BYTES": str(64 << 20)},
        "stale": {"TF_MPI_STALL_CHECK_TIME_SECONDS": "2", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "10"}}

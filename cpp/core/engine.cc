@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <list>
 #include <set>
@@ -40,6 +41,22 @@ int64_t RequestBytes(const Request& r) {
   return n;
 }
 
+// Every rank's init() fails if any rank's TF_MPI_* settings could not be
+// read (`mine`): that rank with its own message, the others naming the lowest
+// such rank and its message. Collective over mpi.comm().
+Status AgreeOnSettings(const MpiContext& mpi, const Status& mine) {
+  const int candidate = mine.ok() ? mpi.size() : mpi.rank();
+  int first_bad = mpi.size();
+  MPI_Allreduce(&candidate, &first_bad, 1, MPI_INT, MPI_MIN, mpi.comm());
+  if (first_bad == mpi.size()) return Status::OK();
+  char text[512] = {};
+  if (mpi.rank() == first_bad) std::snprintf(text, sizeof(text), "%s", mine.message.c_str());
+  MPI_Bcast(text, sizeof(text), MPI_CHAR, first_bad, mpi.comm());
+  if (!mine.ok()) return mine;
+  return Status::Invalid("tf_mpi: rank " + std::to_string(first_bad) + " cannot start: " + text +
+                         " (set TF_MPI_* variables alike on every rank, e.g. mpirun -x NAME)");
+}
+
 }  // namespace
 
 Engine::Engine() = default;
@@ -54,15 +71,23 @@ Engine& Engine::Get() {
 
 Status Engine::Init(const InitOptions& opts) {
   if (initialized_) return Status::OK();
+  Status settings;
   try {
     config_ = EngineConfig::FromEnv();
     tunables_ = config_.tunables;
   } catch (const std::exception& e) {
-    return Status::Invalid(e.what());
+    settings = Status::Invalid(e.what());
   }
+  // MPI starts even when this rank's settings are unreadable: the other ranks
+  // are inside collectives of their own init() (MPI_Comm_dup) and would wait
+  // for this one forever; instead every rank learns of it below and fails.
   Status s = mpi_.Init(opts);
-  if (!s.ok()) return s;
+  if (!s.ok()) return settings.ok() ? s : settings;
   SetLogRank(mpi_.rank());
+  if (s = AgreeOnSettings(mpi_, settings); !s.ok()) {
+    mpi_.Release();
+    return s;
+  }
   hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
   if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {
     mpi_.Release();

@@ -14,6 +14,8 @@ The scenario is argv[1]; tests/test_hardening.py launches each one.
   stale       np=2: a message sent to a stopped engine is not taken for traffic of the
               engine the next init() starts
   serialized  np=2: MPI initialised by mpi4py at MPI_THREAD_SERIALIZED is refused
+  settings    np=3: a TF_MPI_* variable unreadable on rank 1 only fails init() on every
+              rank with a message naming it (not a hang); init() then works once fixed
 """
 import os
 import sys
@@ -46,7 +48,16 @@ else:
     if SCENARIO == "corrupt" and WORLD_RANK == 1:
         # Read when the engine starts: rank 1's 3rd announcement message loses its last byte.
         os.environ["TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT"] = "3"
+    if SCENARIO == "settings" and WORLD_RANK == 1:
+        os.environ["TF_MPI_AUTOTUNE"] = "sometimes"
     from tf_mpi import _core  # noqa: E402
+    INIT_ERROR = None
+    if SCENARIO == "settings":
+        try:
+            _core.init()
+        except (RuntimeError, ValueError) as e:
+            INIT_ERROR = str(e)
+        os.environ.pop("TF_MPI_AUTOTUNE", None)
     _core.init()
     from mpi4py import MPI  # noqa: E402  (adopts the MPI tf_mpi initialised, at MPI_THREAD_MULTIPLE)
 
@@ -261,6 +272,16 @@ elif SCENARIO == "stale":
             time.sleep(1.0)  # rank 0 must not run "stale.x" on the strength of the old message
         sum_of_ranks("stale.x")
 
+
+elif SCENARIO == "settings":
+    def check_unreadable_setting_on_one_rank_fails_init_everywhere():
+        assert INIT_ERROR is not None, "init() with rank 1's TF_MPI_AUTOTUNE=sometimes did not fail here"
+        assert "TF_MPI_AUTOTUNE=sometimes" in INIT_ERROR, INIT_ERROR
+        if WORLD_RANK != 1:
+            assert "rank 1 cannot start" in INIT_ERROR, INIT_ERROR
+
+    def check_init_works_once_the_setting_is_fixed():
+        sum_of_ranks("settings.fixed")
 
 elif SCENARIO == "serialized":
     def check_mpi_initialised_by_others_below_thread_multiple_is_refused():

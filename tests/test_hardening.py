@@ -57,3 +57,14 @@ def test_rank0_logs_why_it_stopped_coordinating():
     assert ("[tf_mpi rank 0] ERROR: tf_mpi: rank 0 stopped coordinating after an internal error: "
             "tf_mpi: truncated negotiation message") in run.output, run.describe()
     assert "terminate called" not in run.output, run.describe()
+
+
+def test_a_relay_that_cannot_read_its_child_aborts_the_job():
+    # np=4: rank 2 relays rank 3's announcements to rank 0 in the negotiation tree.
+    run = run_mpi(4, WORKER, timeout=120, args=["relay"])
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert ("[tf_mpi rank 2] ERROR: internal error in the negotiation with rank 0: tf_mpi: truncated negotiation "
+            "message") in run.output, run.describe()
+    assert "aborting the job" in run.output and "went on" not in run.output, run.describe()
+    assert "terminate called" not in run.output, run.describe()
+    assert run.elapsed < 60, run.describe()

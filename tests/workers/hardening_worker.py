@@ -14,6 +14,9 @@ The scenario is argv[1]; tests/test_hardening.py launches each one.
   stale       np=2: a message sent to a stopped engine is not taken for traffic of the
               engine the next init() starts
   serialized  np=2: MPI initialised by mpi4py at MPI_THREAD_SERIALIZED is refused
+  relay       np=4: rank 3's announcement to its parent in the negotiation tree (rank 2)
+              is garbled; rank 2 can no longer tell rank 0 what its subtree announced and
+              aborts the job (no results: tests/test_hardening.py checks the exit and the log)
   settings    np=3: a TF_MPI_* variable unreadable on rank 1 only fails init() on every
               rank with a message naming it (not a hang); init() then works once fixed
 """
@@ -47,6 +50,8 @@ if SCENARIO == "serialized":
 else:
     if SCENARIO == "corrupt" and WORLD_RANK == 1:
         # Read when the engine starts: rank 1's 3rd announcement message loses its last byte.
+        os.environ["TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT"] = "3"
+    if SCENARIO == "relay" and WORLD_RANK == 3:
         os.environ["TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT"] = "3"
     if SCENARIO == "settings" and WORLD_RANK == 1:
         os.environ["TF_MPI_AUTOTUNE"] = "sometimes"
@@ -272,6 +277,16 @@ elif SCENARIO == "stale":
             time.sleep(1.0)  # rank 0 must not run "stale.x" on the strength of the old message
         sum_of_ranks("stale.x")
 
+
+elif SCENARIO == "relay":
+    # Not a check_* function: the job must end inside it (rank 2 calls MPI_Abort).
+    for i in range(2):  # announcement messages 1 and 2 of rank 3 are intact
+        sum_of_ranks(f"intact.{i}")
+    sum_of_ranks("garbled")
+    for i in range(20):
+        sum_of_ranks(f"after.{i}")
+    time.sleep(30)
+    print(f"rank {WORLD_RANK}: the job went on after rank 3's garbled message", flush=True)
 
 elif SCENARIO == "settings":
     def check_unreadable_setting_on_one_rank_fails_init_everywhere():

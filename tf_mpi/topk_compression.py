@@ -166,7 +166,9 @@ class SparsifyingCompressor(tf.Module):
         """Sparsified reduction of dense `grads` with error feedback through `residuals` (variables).
 
         Returns the reduced gradients (dense, the same on every rank) and
-        updates each residual to what this rank's contribution left out.
+        updates each residual to what this rank's contribution left out
+        (non-finite entries dropped); a step whose reduced gradients are not
+        all finite leaves the residuals unchanged.
         """
         if op not in (Average, Sum):
             raise ValueError("tf_mpi: top-k compression reduces with op=Average or op=Sum")
@@ -196,11 +198,18 @@ class SparsifyingCompressor(tf.Module):
             with tf.device("/cpu:0"):
                 results, included = self._exchange(parts, layout, [a.shape[0] for a in flat], name)
             scale = postscale_factor / basics.size() if op == Average else postscale_factor
+            # A step whose reduced gradients are not all finite (a loss-scale
+            # overflow: LossScaleOptimizer skips it) leaves every residual as it
+            # was; the results are identical on every rank, so every rank agrees.
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(d)) for d in results])
             out = []
             for acc, shape, res, dense, keep in zip(flat, shapes, residuals, results, included):
                 if scale != 1.0:
                     dense = dense * tf.cast(scale, dense.dtype)
-                res.assign(tf.cast(tf.reshape(tf.where(keep, tf.zeros_like(acc), acc), shape), res.dtype))
+                unsent = tf.where(keep, tf.zeros_like(acc), acc)
+                # A non-finite entry this rank did not send is dropped, never carried.
+                unsent = tf.where(tf.math.is_finite(unsent), unsent, tf.zeros_like(unsent))
+                res.assign(tf.where(finite, tf.cast(tf.reshape(unsent, shape), res.dtype), res))
                 out.append(tf.reshape(dense, shape))
             return out
 

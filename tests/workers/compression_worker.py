@@ -270,6 +270,37 @@ def check_keras_fit_leaves_identical_weights():
         assert np.isfinite(model.evaluate(x.reshape(-1, 20), y.reshape(-1, 1), verbose=0))
 
 
+def check_keras_mixed_float16_loss_scale_with_topk():
+    """LossScaleOptimizer + topk: overflowing steps are skipped on every rank without poisoning the
+    residuals, which stay in unscaled units while the loss scale changes."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _dense_model(0)
+        compression = hvd.Compression.topk(0.05)
+        # 2^20 overflows float16 gradients: the first steps are skipped and the scale halves.
+        lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 20)
+        opt = hvd.DistributedOptimizer(lso, compression=compression, name="fit.lso", num_groups=1)
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        before = [w.numpy().copy() for w in model.trainable_weights]
+        x, y = _batches(6)
+        model.fit(x.reshape(-1, 20), y.reshape(-1, 1), batch_size=16, epochs=3, verbose=0, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    scale = float(opt.dynamic_scale.numpy())
+    assert 2.0 ** 4 <= scale < 2.0 ** 20, f"the loss scale never dropped from 2^20 ({scale})"
+    for i, w in enumerate(model.weights):
+        assert np.all(np.isfinite(w.numpy())), f"weight {w.path} is not finite"
+        assert same_on_every_rank(w, f"fit.lso.w{i}"), f"weight {w.path} differs between ranks"
+    assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights)), \
+        "no step was applied after the overflows"
+    residuals = [r.numpy() for r in compression.residuals]
+    assert residuals and all(np.all(np.isfinite(r)) for r in residuals), "an overflow reached the residuals"
+    assert any(np.count_nonzero(r) for r in residuals), "error feedback left nothing"
+    # Unscaled units: this model's gradients are O(1); scaled by the loss scale they would be >= 2^4 x larger.
+    biggest = max(float(np.abs(r).max()) for r in residuals)
+    assert biggest < scale / 4, (biggest, scale)
+
+
 def _train_keras(model, x, y, steps):
     for s in steps:
         model.train_on_batch(x[s], y[s])

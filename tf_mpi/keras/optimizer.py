@@ -18,7 +18,9 @@ has a test in tests/workers/keras_worker.py):
 - ``Compression.topk`` / ``gtopk``: the error-feedback residuals are optimizer
   variables ("tfmpi_residual", created in ``build``), so ``model.save`` and
   ``tf.train.Checkpoint`` keep them (with a LossScaleOptimizer the compressor
-  keeps them instead).
+  keeps them instead, in unscaled units: the gradients are unscaled before
+  the sparsified reduction and scaled back after it, and a step that
+  overflows leaves them unchanged).
 """
 import keras
 import tensorflow as tf
@@ -144,10 +146,29 @@ class _DistributedPlain(_DistributedMixin):
         return tf.cond(self._tfmpi_counter % k == 0, apply_accumulated, lambda: tf.constant(False))
 
 
+def _times(grad, factor):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
 class _DistributedLossScale(_DistributedMixin):
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
-        grads = self._tfmpi_reduce(list(grads), variables)
+        grads = list(grads)
+        if getattr(self._tfmpi_get_reducer().compression, "sparsifies", False):
+            # Top-k's error feedback carries what a rank did not send into later
+            # steps, whose loss scale may differ: it works on unscaled gradients.
+            # The scale is a power of two, so both multiplications are exact.
+            if not self.built:
+                self.build(variables)  # creates dynamic_scale
+            scale = self.dynamic_scale
+            grads = self._tfmpi_reduce([_times(g, 1.0 / scale) for g in grads], variables)
+            grads = [_times(g, scale) for g in grads]
+        else:
+            grads = self._tfmpi_reduce(grads, variables)
         return super().apply(grads, trainable_variables)
 
 

@@ -196,23 +196,38 @@ def choose_dedup(total_rows, table_rows, threshold):
     return tf.cast(total_rows, tf.float64) < tf.constant(threshold, tf.float64) * tf.cast(table_rows, tf.float64)
 
 
-def _combine(gathered_rows, gathered_indices, counts, dense_shape, size):
-    """The dense sum of every rank's (index, row) pairs, added in rank order.
+def _sum_in_rank_order(gathered_rows, positions, counts, unique_count, size):
+    """The rows of every rank added into ``unique_count`` rows at ``positions``, rank 0's first.
 
-    One scatter per rank: a rank's indices are unique, so no two updates of
-    one scatter meet, and the additions happen in the same order on every
-    rank and device (a single segment sum over all ranks' rows would let
-    a GPU add colliding rows in any order)."""
+    One scatter per rank: a rank's positions are unique (its indices were
+    deduplicated before the exchange), so no two updates of one scatter meet,
+    and every row receives its additions in rank order, on every rank and
+    device (a single segment sum over all ranks' rows would let a GPU add
+    colliding rows in any order)."""
     rows = tf.split(gathered_rows, counts, num=size)
-    indices = tf.split(gathered_indices, counts, num=size)
-    result = tf.zeros(dense_shape, gathered_rows.dtype)
-    for r, i in zip(rows, indices):
-        result = tf.tensor_scatter_nd_add(result, i[:, None], r)
-    return result
+    where = tf.split(positions, counts, num=size)
+    width = tf.shape(gathered_rows, out_type=tf.int64)[1:]
+    summed = tf.zeros(tf.concat([tf.reshape(unique_count, [1]), width], 0), gathered_rows.dtype)
+    for r, p in zip(rows, where):
+        summed = tf.tensor_scatter_nd_add(summed, p[:, None], r)
+    return summed
+
+
+def _check_slices(grad, mode):
+    if grad.values.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
+        raise TypeError(f"tf_mpi: sparse={mode!r} reduces float gradients; got {grad.values.dtype.name} IndexedSlices")
+    if grad.dense_shape is None:
+        raise ValueError(f"tf_mpi: sparse={mode!r} needs the IndexedSlices' dense_shape (the table's shape)")
 
 
 def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=None, threshold=None):
-    """Reduces one IndexedSlices gradient with mode "dedup" or "auto"; returns a dense tensor.
+    """Reduces one IndexedSlices gradient with mode "dedup" or "auto".
+
+    "dedup" returns a ``tf.IndexedSlices`` whose indices are the touched rows,
+    each once, in the order they first occur in rank 0's, then rank 1's, ...
+    indices, and whose values are the rows summed over ranks in rank order:
+    the same on every rank. "auto" returns a dense tensor (the dense
+    allreduce, or the deduplicated rows written into a table-sized tensor).
 
     Args:
       grad: the tf.IndexedSlices (float32, float16 or bfloat16 values).
@@ -234,27 +249,30 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
     from tf_mpi import ops
     if mode not in ("dedup", "auto"):
         raise ValueError(f"tf_mpi: reduce_indexed_slices takes mode 'dedup' or 'auto', got {mode!r}")
+    _check_slices(grad, mode)
     values = grad.values
-    if values.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
-        raise TypeError(f"tf_mpi: sparse={mode!r} reduces float gradients; got {values.dtype.name} IndexedSlices")
-    if grad.dense_shape is None:
-        raise ValueError(f"tf_mpi: sparse={mode!r} needs the IndexedSlices' dense_shape (the table's shape)")
     dense_shape = tf.cast(grad.dense_shape, tf.int64)
-    # Indices first: they depend on the input ids only, so their exchange can
-    # run while backprop is still computing the rows.
+    # Indices first: they depend on the input ids only, so their exchange (and
+    # the global deduplication) can run while backprop is still computing the rows.
     unique, position = tf.unique(tf.cast(grad.indices, tf.int64))
     count = tf.shape(unique, out_type=tf.int64)[:1]
     gathered_indices, counts = ops.grouped_allgather([unique, count], name=f"{name}.indices")
+    touched, touched_position = tf.unique(gathered_indices)
+    touched_count = tf.shape(touched, out_type=tf.int64)[0]
 
     def exchange():
         rows = tf.math.unsorted_segment_sum(values, position, count[0])
         if scale != 1.0:
             rows = rows * tf.cast(scale, rows.dtype)
         gathered_rows = ops.allgather(rows, name=f"{name}.rows")
-        return _combine(gathered_rows, gathered_indices, counts, dense_shape, size)
+        return _sum_in_rank_order(gathered_rows, touched_position, counts, touched_count, size)
 
     if mode == "dedup":
-        return _with_static_shape(exchange(), grad)
+        return tf.IndexedSlices(exchange(), touched, grad.dense_shape)
+
+    def exchange_dense():
+        # touched holds each row once: the scatter is a plain write, no two updates meet.
+        return tf.scatter_nd(touched[:, None], exchange(), dense_shape)
 
     def allreduce():
         dense = tf.math.unsorted_segment_sum(values, tf.cast(grad.indices, tf.int64), dense_shape[0])
@@ -263,7 +281,7 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
     if threshold is None:
         threshold = dedup_threshold()
     decide = choose_dedup(tf.shape(gathered_indices)[0], dense_shape[0], threshold)
-    return _with_static_shape(tf.cond(decide, exchange, allreduce), grad)
+    return _with_static_shape(tf.cond(decide, exchange_dense, allreduce), grad)
 
 
 def _with_static_shape(result, grad):

@@ -18,23 +18,31 @@ times in a batch is k rows. Four ways to reduce it (``sparse=`` of
     ``unsorted_segment_sum``: ``u <= n`` unique rows), the ranks allgather the
     ``u`` unique indices (early: they depend on the input ids only, not on
     backprop) and then the ``u`` summed rows, and every rank adds the
-    ``T = sum of u over ranks`` rows into a dense ``V``-row result. Bytes
-    received per rank: ``(T - u) * (row + index)``. The result is dense
-    because the optimizers that keep moments (Adam, RMSprop, SGD with
-    momentum) densify an ``IndexedSlices`` themselves: handing them a dense
-    tensor costs one densification instead of two.
+    ``T = sum of u over ranks`` rows into one row per touched index. The
+    result is an ``IndexedSlices`` with each touched row once (``U <= T``
+    rows), in the order the rows first occur in rank 0's, then rank 1's, ...
+    indices. Bytes received per rank: ``(T - u) * (row + index)``. An
+    optimizer that applies ``IndexedSlices`` as a sparse update (Keras' SGD
+    without momentum, Adagrad, ...) then touches ``U`` rows; one that keeps
+    moments (Adam, ...) densifies it (Keras' Adam: twice).
 ``"auto"``
-    Per tensor and per step, ``"dedup"`` or a dense allreduce, whichever the
-    cost model (``choose_dedup``, ``dedup_threshold``) says is faster for this step's ``T``. ``T``
-    is the length of the allgathered index list, the same number on every
-    rank, so every rank takes the same branch without another collective.
+    Per tensor and per step, ``"dedup"``'s exchange or a dense allreduce,
+    whichever the cost model (``choose_dedup``, ``dedup_threshold``) says is
+    faster for this step's ``T``; the result is dense either way (the
+    deduplicated rows are written into the table with one ``scatter_nd``),
+    which is what optimizers with moments want. ``T`` is the length of the
+    allgathered index list, the same number on every rank, so every rank
+    takes the same branch without another collective.
 
-Exactness: ``"dedup"`` and ``"dense"`` give the same sums up to the order of
-the additions (and, for Average, where the division by ``N`` happens: on
-each rank's summed rows before the exchange, instead of on the sum). The
-result is bit-identical on every rank: each rank adds the same gathered rows
-in the same order (rank 0's first), with one scatter per rank whose indices
-are unique, so no two updates of one scatter touch the same element.
+Exactness: ``"dedup"``, ``"auto"`` and ``"dense"`` give the same sums up to
+the order of the additions (and, for Average, where the division by ``N``
+happens: on each rank's summed rows before the exchange, instead of on the
+sum). The result is bit-identical on every rank: each rank adds the same
+gathered rows in the same order (rank 0's first), with one scatter per rank
+whose positions are unique, so no two updates of one scatter touch the same
+element. Because each row occurs once, an optimizer that squares the
+gradient (Adam) sees ``(g1 + g2)**2`` as with a dense gradient, where
+``"allgather"``'s duplicates give ``g1**2 + g2**2``.
 
 Example::
 
@@ -182,9 +190,10 @@ def dedup_threshold():
 def choose_dedup(total_rows, table_rows, threshold):
     """A scalar bool tensor: whether the deduplicated exchange is expected to beat a dense allreduce.
 
-    Both branches densify this rank's rows once (the dense branch its ``n``
-    rows, the dedup branch its sum of duplicates over the same ``n`` rows) and
-    pay one collective start-up, so those terms cancel. What differs, per byte
+    Both branches add this rank's ``n`` rows once (into ``V`` rows, or into
+    its ``u`` unique rows), fill one table-sized tensor (the dense branch's
+    densification, the dedup branch's final ``scatter_nd``) and pay one
+    collective start-up, so those terms cancel. What differs, per byte
     of a row: the dense branch allreduces ``V`` rows (``allreduce_beta * V``);
     the dedup branch allgathers ``T`` rows and adds them into the result
     (``(allgather_beta + scatter_gamma) * T``). Deduplicate while

@@ -85,10 +85,11 @@ def resolve_mode(sparse, sparse_as_dense):
 class SparseCostModel:
     """Costs that decide between a dense allreduce and the deduplicated exchange, in seconds per byte.
 
-    ``allreduce_beta``: an allreduce, per byte of the tensor (tf_mpi.grouping's
-    beta); ``allgather_beta``: an allgather, per byte of the gathered result;
-    ``scatter_gamma``: adding rows into a dense tensor on this rank, per byte
-    of rows. Every rank holds rank 0's values.
+    ``allreduce_beta``: an allreduce, per byte of the tensor;
+    ``allgather_beta``: an allgather, per byte of the gathered result;
+    ``scatter_gamma``: what the deduplicated exchange does with the gathered
+    rows on this rank (add them into one row per index, write those into the
+    table), per byte of gathered rows. Every rank holds rank 0's values.
 
     Example::
 
@@ -105,80 +106,103 @@ class SparseCostModel:
         return self.allreduce_beta / (self.allgather_beta + self.scatter_gamma)
 
 
-_costs = None
+_costs = {}  # (rows, width, table_rows) -> SparseCostModel
+_last_costs = None
 
 
-def measure_costs(rows=4096, width=128, repeats=7):
+def _fastest(fn, repeats):
+    """The fastest of `repeats` timed calls of fn, after one warm-up call: on a shared machine the
+    slow samples measure the neighbours."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def measure_costs(rows=4096, width=128, repeats=7, table_rows=None):
     """Measures the SparseCostModel (collective: call on every rank, e.g. while tracing).
 
-    The allreduce beta is tf_mpi.grouping.measure_cost_model()'s; the
-    allgather beta and the scatter cost are timed here, fastest of `repeats`
-    (the slow samples measure the neighbours on a shared machine), and rank
-    0's values are broadcast so that every rank decides alike. Cached per process.
+    Each cost is timed through the TensorFlow ops the two branches of
+    ``"auto"`` run, eagerly, fastest of `repeats`: an allreduce of a
+    ``table_rows x width`` float32 tensor (default ``2 * rows`` rows) against
+    a small one; an allgather of ``rows x width`` per rank against a small
+    one; adding ``rows`` gathered rows into one row each and writing those
+    into the table, less the table's zero fill (which the dense branch's
+    densification pays too). Rank 0's values are broadcast so that every
+    rank decides alike. Cached per process and arguments.
 
     Example::
 
         costs = tf_mpi.sparse.measure_costs()   # on every rank
         print(f"dedup pays while touched rows < {costs.dedup_threshold:.2f} x table rows")
     """
-    global _costs
-    if _costs is not None:
-        return _costs
-    from tf_mpi import grouping
-    from tf_mpi.basics import _core
-    allreduce = grouping.measure_cost_model()
-    small, large = np.ones(1024, np.float32), np.ones(rows * width, np.float32)
-
-    def fastest(fn):
-        fn()  # warm-up
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return min(samples)
-
-    t_small = fastest(lambda: _core.allgather(small, "tfmpi.sparsecost.small"))
-    t_large = fastest(lambda: _core.allgather(large, "tfmpi.sparsecost.large"))
+    global _last_costs
+    table_rows = 2 * rows if table_rows is None else max(int(table_rows), rows)
+    key = (rows, width, table_rows)
+    if key in _costs:
+        _last_costs = _costs[key]
+        return _last_costs
+    from tf_mpi import ops
+    from tf_mpi.basics import Sum, _core
     size = _core.size()
-    allgather_beta = max((t_large - t_small) / ((large.nbytes - small.nbytes) * size), 1e-13)
     with tf.init_scope():  # measured eagerly, also when called while a tf.function is traced
-        values = tf.ones([rows, width], tf.float32)
-        ids = tf.constant(np.random.default_rng(0).permutation(2 * rows)[:rows, None], tf.int32)
-        # The zero fill of the result is common to both branches: time it alone and subtract it.
-        fill = tf.function(lambda: tf.zeros([2 * rows, width], tf.float32)[0, 0])
-        scatter = tf.function(
-            lambda: tf.tensor_scatter_nd_add(tf.zeros([2 * rows, width], tf.float32), ids, values)[0, 0])
-        t_fill = fastest(lambda: fill().numpy())
-        t_scatter = fastest(lambda: scatter().numpy())
-        scatter_gamma = max((t_scatter - t_fill) / values.numpy().nbytes, 1e-13)
-    shared = _core.broadcast(np.array([allreduce.beta, allgather_beta, scatter_gamma], np.float64), 0,
+        def timed(fn, *args):
+            fn = tf.function(fn)
+            return _fastest(lambda: fn(*args).numpy(), repeats)
+
+        small = tf.ones([1, width], tf.float32)
+        gathered, table = tf.ones([rows, width], tf.float32), tf.ones([table_rows, width], tf.float32)
+        t_reduce = {n: timed(lambda x: ops.allreduce(x, op=Sum, name=f"tfmpi.sparsecost.reduce{n}")[0, 0], x)
+                    for n, x in (("small", small), ("table", table))}
+        t_gather = {n: timed(lambda x: ops.allgather(x, name=f"tfmpi.sparsecost.gather{n}")[0, 0], x)
+                    for n, x in (("small", small), ("rows", gathered))}
+        rng = np.random.default_rng(0)
+        positions = tf.constant(rng.permutation(rows)[:, None], tf.int32)
+        where = tf.constant(rng.permutation(table_rows)[:rows, None], tf.int64)
+        shape = tf.constant([table_rows, width], tf.int64)
+        # The shape is an argument, so that grappler cannot fold the zero fill into a constant.
+        t_fill = timed(lambda s: tf.zeros(s, tf.float32)[0, 0], shape)
+        t_rows = timed(lambda v, s: tf.scatter_nd(
+            where, tf.tensor_scatter_nd_add(tf.zeros_like(v), positions, v), s)[0, 0], gathered, shape)
+    row_bytes = 4.0 * width
+    allreduce_beta = max((t_reduce["table"] - t_reduce["small"]) / (max(table_rows - 1, 1) * row_bytes), 1e-13)
+    allgather_beta = max((t_gather["rows"] - t_gather["small"]) / (max(rows - 1, 1) * row_bytes * size), 1e-13)
+    scatter_gamma = max((t_rows - t_fill) / (rows * row_bytes), 1e-13)
+    shared = _core.broadcast(np.array([allreduce_beta, allgather_beta, scatter_gamma], np.float64), 0,
                              "tfmpi.sparsecost.share")
-    _costs = SparseCostModel(*(float(v) for v in shared))
-    return _costs
+    _costs[key] = _last_costs = SparseCostModel(*(float(v) for v in shared))
+    return _last_costs
 
 
 def measured_costs():
-    """The SparseCostModel this process measured, or None before ``measure_costs`` ran (no collective).
+    """The SparseCostModel this process measured last, or None before ``measure_costs`` ran (no collective).
 
     Example: ``costs = tf_mpi.sparse.measured_costs()`` after a training step with ``sparse="auto"``
     """
-    return _costs
+    return _last_costs
 
 
-def dedup_threshold():
+def dedup_threshold(table_shape=None):
     """``T / V`` below which ``"auto"`` deduplicates, the same on every rank (collective: call on every rank).
 
     ``TF_MPI_SPARSE_DEDUP_THRESHOLD`` if set (e.g. ``0`` always allreduces
     dense, ``1e9`` always deduplicates; read at every trace), else
-    ``measure_costs().dedup_threshold``. Rank 0's value is used everywhere.
+    ``measure_costs(...).dedup_threshold``, measured with a table of
+    ``table_shape`` (rows, width) where given (the costs per byte depend on
+    the sizes: caches). Rank 0's value is used everywhere.
 
     Example: ``TF_MPI_SPARSE_DEDUP_THRESHOLD=0.5 python -m tf_mpi.run -np 4 python train.py``
     """
     from tf_mpi.basics import _core
     env = os.environ.get("TF_MPI_SPARSE_DEDUP_THRESHOLD", "").strip()
     if not env:
-        return measure_costs().dedup_threshold
+        if table_shape is None or len(table_shape) != 2:
+            return measure_costs().dedup_threshold
+        table_rows, width = (int(d) for d in table_shape)
+        return measure_costs(rows=max(table_rows // 4, 1), width=width, table_rows=table_rows).dedup_threshold
     try:
         value = float(env)
     except ValueError:
@@ -288,7 +312,7 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
         return dense_allreduce(dense, f"{name}.dense")
 
     if threshold is None:
-        threshold = dedup_threshold()
+        threshold = dedup_threshold(tf.get_static_value(grad.dense_shape))
     decide = choose_dedup(tf.shape(gathered_indices)[0], dense_shape[0], threshold)
     return _with_static_shape(tf.cond(decide, exchange_dense, allreduce), grad)
 

@@ -4,7 +4,9 @@ Per rank, ``--rows`` looked-up ids drawn uniformly from a ``--vocab`` x ``--widt
 float32 table (the LSTM benchmark's Embedding: 64 x 100 ids of 20000 x 128), for
 each ``--rows`` value given. Each mode is one tf.function that reduces the
 gradient with tf_mpi.reducer.GradientReducer (what DistributedOptimizer runs) and
-densifies the result (what Keras' Adam does with an IndexedSlices), timed
+then densifies the result (``--optimizer none``) or applies it to the table with
+Keras' Adam or plain SGD (``--optimizer adam|sgd``: what the training step does
+next; ``local`` applies this rank's own gradient, what one process does), timed
 ``--repeats`` times per round, modes interleaved, ``--rounds`` rounds; the table
 gives the median over rounds of each round's median and [lowest-highest round],
 the bytes each rank receives per step by the formulas of docs/sparse-gradients.md,
@@ -12,6 +14,8 @@ and which branch "auto" took (from the engine's count of allreduces).
 
     python -m tf_mpi.run -np 2 python benchmarks/sparse_bench.py --rows 640 6400 64000
     python -m tf_mpi.run -np 2 python benchmarks/sparse_bench.py --json out.json
+    python -m tf_mpi.run -np 2 python benchmarks/sparse_bench.py --rows 6400 --optimizer adam \
+        --modes local dense allgather dedup dedup-densified auto
 """
 import argparse
 import json

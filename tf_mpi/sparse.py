@@ -106,8 +106,9 @@ class SparseCostModel:
         return self.allreduce_beta / (self.allgather_beta + self.scatter_gamma)
 
 
-_costs = {}  # (rows, width, table_rows) -> SparseCostModel
-_last_costs = None
+# (rows, width, table_rows) -> SparseCostModel, the latest used last. No `global` rebinding:
+# measure_costs runs while AutoGraph traces a training step.
+_costs = {}
 
 
 def _fastest(fn, repeats):
@@ -139,12 +140,11 @@ def measure_costs(rows=4096, width=128, repeats=7, table_rows=None):
         costs = tf_mpi.sparse.measure_costs()   # on every rank
         print(f"dedup pays while touched rows < {costs.dedup_threshold:.2f} x table rows")
     """
-    global _last_costs
     table_rows = 2 * rows if table_rows is None else max(int(table_rows), rows)
     key = (rows, width, table_rows)
     if key in _costs:
-        _last_costs = _costs[key]
-        return _last_costs
+        _costs[key] = _costs.pop(key)  # now the latest
+        return _costs[key]
     from tf_mpi import ops
     from tf_mpi.basics import Sum, _core
     size = _core.size()
@@ -173,8 +173,8 @@ def measure_costs(rows=4096, width=128, repeats=7, table_rows=None):
     scatter_gamma = max((t_rows - t_fill) / (rows * row_bytes), 1e-13)
     shared = _core.broadcast(np.array([allreduce_beta, allgather_beta, scatter_gamma], np.float64), 0,
                              "tfmpi.sparsecost.share")
-    _costs[key] = _last_costs = SparseCostModel(*(float(v) for v in shared))
-    return _last_costs
+    _costs[key] = SparseCostModel(*(float(v) for v in shared))
+    return _costs[key]
 
 
 def measured_costs():
@@ -182,7 +182,7 @@ def measured_costs():
 
     Example: ``costs = tf_mpi.sparse.measured_costs()`` after a training step with ``sparse="auto"``
     """
-    return _last_costs
+    return next(reversed(_costs.values()), None)
 
 
 def dedup_threshold(table_shape=None):

@@ -193,6 +193,10 @@ def check_auto_takes_the_same_branch_everywhere_and_both_are_exact():
 
 def check_measured_cost_model_is_rank_0s_everywhere():
     costs = sparse.measure_costs()
+    assert sparse.measured_costs() is costs
+    table = sparse.measure_costs(rows=100, width=W, table_rows=400)  # a table's own size, cached apart
+    assert sparse.measured_costs() is table and table is not costs
+    assert sparse.measure_costs() is costs and sparse.measured_costs() is costs
     values = np.array([costs.allreduce_beta, costs.allgather_beta, costs.scatter_gamma, costs.dedup_threshold])
     assert np.all(values > 0) and np.all(np.isfinite(values)), values
     gathered = _core.allgather(values[None, :], "costs")

@@ -273,7 +273,8 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
       dense_allreduce: (dense tensor, name) -> reduced tensor, the dense
         branch of "auto" (it applies its own averaging and scaling).
       threshold: ``choose_dedup``'s threshold for "auto" (default:
-        ``dedup_threshold()``, a collective on first use).
+        ``dedup_threshold`` of the table's static shape, a collective on
+        first use).
 
     Example::
 
@@ -290,22 +291,25 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
     unique, position = tf.unique(tf.cast(grad.indices, tf.int64))
     count = tf.shape(unique, out_type=tf.int64)[:1]
     gathered_indices, counts = ops.grouped_allgather([unique, count], name=f"{name}.indices")
-    touched, touched_position = tf.unique(gathered_indices)
-    touched_count = tf.shape(touched, out_type=tf.int64)[0]
 
     def exchange():
+        """(each touched index once, in rank order; its row summed over ranks)."""
+        touched, touched_position = tf.unique(gathered_indices)
         rows = tf.math.unsorted_segment_sum(values, position, count[0])
         if scale != 1.0:
             rows = rows * tf.cast(scale, rows.dtype)
         gathered_rows = ops.allgather(rows, name=f"{name}.rows")
-        return _sum_in_rank_order(gathered_rows, touched_position, counts, touched_count, size)
+        touched_count = tf.shape(touched, out_type=tf.int64)[0]
+        return touched, _sum_in_rank_order(gathered_rows, touched_position, counts, touched_count, size)
 
     if mode == "dedup":
-        return tf.IndexedSlices(exchange(), touched, grad.dense_shape)
+        touched, summed = exchange()
+        return tf.IndexedSlices(summed, touched, grad.dense_shape)
 
     def exchange_dense():
+        touched, summed = exchange()
         # touched holds each row once: the scatter is a plain write, no two updates meet.
-        return tf.scatter_nd(touched[:, None], exchange(), dense_shape)
+        return tf.scatter_nd(touched[:, None], summed, dense_shape)
 
     def allreduce():
         dense = tf.math.unsorted_segment_sum(values, tf.cast(grad.indices, tf.int64), dense_shape[0])

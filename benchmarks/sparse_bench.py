@@ -77,7 +77,8 @@ def main():
     rank, size = hvd.rank(), hvd.size()
     table = keras.Variable(np.zeros([args.vocab, args.width], np.float32), name="table")
     row_bytes, index_bytes = args.width * 4, 8
-    report = {"benchmark": "sparse_bench", "ranks": size, "optimizer": args.optimizer, "vocab": args.vocab, "width": args.width,
+    report = {"benchmark": "sparse_bench", "ranks": size, "optimizer": args.optimizer,
+              "vocab": args.vocab, "width": args.width,
               "repeats": args.repeats, "rounds": args.rounds, "cases": []}
     for n in args.rows:
         rng = np.random.default_rng(rank)

@@ -1,5 +1,6 @@
 """Sparse (IndexedSlices) gradients, tf_mpi.sparse: the deduplicated exchange against the dense
-reduction (duplicates inside and across ranks, an empty rank, every row touched;
+reduction and a numpy reference ("dedup"'s IndexedSlices: each touched row once, in rank order;
+duplicates inside and across ranks, an empty rank, every row touched;
 float32/float16/bfloat16; Sum and Average), bit-identical results on every rank, the
 cost-based choice identical on every rank with both branches forced, Keras model.fit and
 DistributedGradientTape with an Embedding against one-rank training on the global batch, and

@@ -18,23 +18,31 @@ times in a batch is k rows. Four ways to reduce it (``sparse=`` of
     ``unsorted_segment_sum``: ``u <= n`` unique rows), the ranks allgather the
     ``u`` unique indices (early: they depend on the input ids only, not on
     backprop) and then the ``u`` summed rows, and every rank adds the
-    ``T = sum of u over ranks`` rows into a dense ``V``-row result. Bytes
-    received per rank: ``(T - u) * (row + index)``. The result is dense
-    because the optimizers that keep moments (Adam, RMSprop, SGD with
-    momentum) densify an ``IndexedSlices`` themselves: handing them a dense
-    tensor costs one densification instead of two.
+    ``T = sum of u over ranks`` rows into one row per touched index. The
+    result is an ``IndexedSlices`` with each touched row once (``U <= T``
+    rows), in the order the rows first occur in rank 0's, then rank 1's, ...
+    indices. Bytes received per rank: ``(T - u) * (row + index)``. An
+    optimizer that applies ``IndexedSlices`` as a sparse update (Keras' SGD
+    without momentum, Adagrad, ...) then touches ``U`` rows; one that keeps
+    moments (Adam, ...) densifies it (Keras' Adam: twice).
 ``"auto"``
-    Per tensor and per step, ``"dedup"`` or a dense allreduce, whichever the
-    cost model (``choose_dedup``, ``dedup_threshold``) says is faster for this step's ``T``. ``T``
-    is the length of the allgathered index list, the same number on every
-    rank, so every rank takes the same branch without another collective.
+    Per tensor and per step, ``"dedup"``'s exchange or a dense allreduce,
+    whichever the cost model (``choose_dedup``, ``dedup_threshold``) says is
+    faster for this step's ``T``; the result is dense either way (the
+    deduplicated rows are written into the table with one ``scatter_nd``),
+    which is what optimizers with moments want. ``T`` is the length of the
+    allgathered index list, the same number on every rank, so every rank
+    takes the same branch without another collective.
 
-Exactness: ``"dedup"`` and ``"dense"`` give the same sums up to the order of
-the additions (and, for Average, where the division by ``N`` happens: on
-each rank's summed rows before the exchange, instead of on the sum). The
-result is bit-identical on every rank: each rank adds the same gathered rows
-in the same order (rank 0's first), with one scatter per rank whose indices
-are unique, so no two updates of one scatter touch the same element.
+Exactness: ``"dedup"``, ``"auto"`` and ``"dense"`` give the same sums up to
+the order of the additions (and, for Average, where the division by ``N``
+happens: on each rank's summed rows before the exchange, instead of on the
+sum). The result is bit-identical on every rank: each rank adds the same
+gathered rows in the same order (rank 0's first), with one scatter per rank
+whose positions are unique, so no two updates of one scatter touch the same
+element. Because each row occurs once, an optimizer that squares the
+gradient (Adam) sees ``(g1 + g2)**2`` as with a dense gradient, where
+``"allgather"``'s duplicates give ``g1**2 + g2**2``.
 
 Example::
 
@@ -77,10 +85,11 @@ def resolve_mode(sparse, sparse_as_dense):
 class SparseCostModel:
     """Costs that decide between a dense allreduce and the deduplicated exchange, in seconds per byte.
 
-    ``allreduce_beta``: an allreduce, per byte of the tensor (tf_mpi.grouping's
-    beta); ``allgather_beta``: an allgather, per byte of the gathered result;
-    ``scatter_gamma``: adding rows into a dense tensor on this rank, per byte
-    of rows. Every rank holds rank 0's values.
+    ``allreduce_beta``: an allreduce, per byte of the tensor;
+    ``allgather_beta``: an allgather, per byte of the gathered result;
+    ``scatter_gamma``: what the deduplicated exchange does with the gathered
+    rows on this rank (add them into one row per index, write those into the
+    table), per byte of gathered rows. Every rank holds rank 0's values.
 
     Example::
 
@@ -97,80 +106,103 @@ class SparseCostModel:
         return self.allreduce_beta / (self.allgather_beta + self.scatter_gamma)
 
 
-_costs = None
+# (rows, width, table_rows) -> SparseCostModel, the latest used last. No `global` rebinding:
+# measure_costs runs while AutoGraph traces a training step.
+_costs = {}
 
 
-def measure_costs(rows=4096, width=128, repeats=7):
+def _fastest(fn, repeats):
+    """The fastest of `repeats` timed calls of fn, after one warm-up call: on a shared machine the
+    slow samples measure the neighbours."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def measure_costs(rows=4096, width=128, repeats=7, table_rows=None):
     """Measures the SparseCostModel (collective: call on every rank, e.g. while tracing).
 
-    The allreduce beta is tf_mpi.grouping.measure_cost_model()'s; the
-    allgather beta and the scatter cost are timed here, fastest of `repeats`
-    (the slow samples measure the neighbours on a shared machine), and rank
-    0's values are broadcast so that every rank decides alike. Cached per process.
+    Each cost is timed through the TensorFlow ops the two branches of
+    ``"auto"`` run, eagerly, fastest of `repeats`: an allreduce of a
+    ``table_rows x width`` float32 tensor (default ``2 * rows`` rows) against
+    a small one; an allgather of ``rows x width`` per rank against a small
+    one; adding ``rows`` gathered rows into one row each and writing those
+    into the table, less the table's zero fill (which the dense branch's
+    densification pays too). Rank 0's values are broadcast so that every
+    rank decides alike. Cached per process and arguments.
 
     Example::
 
         costs = tf_mpi.sparse.measure_costs()   # on every rank
         print(f"dedup pays while touched rows < {costs.dedup_threshold:.2f} x table rows")
     """
-    global _costs
-    if _costs is not None:
-        return _costs
-    from tf_mpi import grouping
-    from tf_mpi.basics import _core
-    allreduce = grouping.measure_cost_model()
-    small, large = np.ones(1024, np.float32), np.ones(rows * width, np.float32)
-
-    def fastest(fn):
-        fn()  # warm-up
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return min(samples)
-
-    t_small = fastest(lambda: _core.allgather(small, "tfmpi.sparsecost.small"))
-    t_large = fastest(lambda: _core.allgather(large, "tfmpi.sparsecost.large"))
+    table_rows = 2 * rows if table_rows is None else max(int(table_rows), rows)
+    key = (rows, width, table_rows)
+    if key in _costs:
+        _costs[key] = _costs.pop(key)  # now the latest
+        return _costs[key]
+    from tf_mpi import ops
+    from tf_mpi.basics import Sum, _core
     size = _core.size()
-    allgather_beta = max((t_large - t_small) / ((large.nbytes - small.nbytes) * size), 1e-13)
     with tf.init_scope():  # measured eagerly, also when called while a tf.function is traced
-        values = tf.ones([rows, width], tf.float32)
-        ids = tf.constant(np.random.default_rng(0).permutation(2 * rows)[:rows, None], tf.int32)
-        # The zero fill of the result is common to both branches: time it alone and subtract it.
-        fill = tf.function(lambda: tf.zeros([2 * rows, width], tf.float32)[0, 0])
-        scatter = tf.function(
-            lambda: tf.tensor_scatter_nd_add(tf.zeros([2 * rows, width], tf.float32), ids, values)[0, 0])
-        t_fill = fastest(lambda: fill().numpy())
-        t_scatter = fastest(lambda: scatter().numpy())
-        scatter_gamma = max((t_scatter - t_fill) / values.numpy().nbytes, 1e-13)
-    shared = _core.broadcast(np.array([allreduce.beta, allgather_beta, scatter_gamma], np.float64), 0,
+        def timed(fn, *args):
+            fn = tf.function(fn)
+            return _fastest(lambda: fn(*args).numpy(), repeats)
+
+        small = tf.ones([1, width], tf.float32)
+        gathered, table = tf.ones([rows, width], tf.float32), tf.ones([table_rows, width], tf.float32)
+        t_reduce = {n: timed(lambda x: ops.allreduce(x, op=Sum, name=f"tfmpi.sparsecost.reduce{n}")[0, 0], x)
+                    for n, x in (("small", small), ("table", table))}
+        t_gather = {n: timed(lambda x: ops.allgather(x, name=f"tfmpi.sparsecost.gather{n}")[0, 0], x)
+                    for n, x in (("small", small), ("rows", gathered))}
+        rng = np.random.default_rng(0)
+        positions = tf.constant(rng.permutation(rows)[:, None], tf.int32)
+        where = tf.constant(rng.permutation(table_rows)[:rows, None], tf.int64)
+        shape = tf.constant([table_rows, width], tf.int64)
+        # The shape is an argument, so that grappler cannot fold the zero fill into a constant.
+        t_fill = timed(lambda s: tf.zeros(s, tf.float32)[0, 0], shape)
+        t_rows = timed(lambda v, s: tf.scatter_nd(
+            where, tf.tensor_scatter_nd_add(tf.zeros_like(v), positions, v), s)[0, 0], gathered, shape)
+    row_bytes = 4.0 * width
+    allreduce_beta = max((t_reduce["table"] - t_reduce["small"]) / (max(table_rows - 1, 1) * row_bytes), 1e-13)
+    allgather_beta = max((t_gather["rows"] - t_gather["small"]) / (max(rows - 1, 1) * row_bytes * size), 1e-13)
+    scatter_gamma = max((t_rows - t_fill) / (rows * row_bytes), 1e-13)
+    shared = _core.broadcast(np.array([allreduce_beta, allgather_beta, scatter_gamma], np.float64), 0,
                              "tfmpi.sparsecost.share")
-    _costs = SparseCostModel(*(float(v) for v in shared))
-    return _costs
+    _costs[key] = SparseCostModel(*(float(v) for v in shared))
+    return _costs[key]
 
 
 def measured_costs():
-    """The SparseCostModel this process measured, or None before ``measure_costs`` ran (no collective).
+    """The SparseCostModel this process measured last, or None before ``measure_costs`` ran (no collective).
 
     Example: ``costs = tf_mpi.sparse.measured_costs()`` after a training step with ``sparse="auto"``
     """
-    return _costs
+    return next(reversed(_costs.values()), None)
 
 
-def dedup_threshold():
+def dedup_threshold(table_shape=None):
     """``T / V`` below which ``"auto"`` deduplicates, the same on every rank (collective: call on every rank).
 
     ``TF_MPI_SPARSE_DEDUP_THRESHOLD`` if set (e.g. ``0`` always allreduces
     dense, ``1e9`` always deduplicates; read at every trace), else
-    ``measure_costs().dedup_threshold``. Rank 0's value is used everywhere.
+    ``measure_costs(...).dedup_threshold``, measured with a table of
+    ``table_shape`` (rows, width) where given (the costs per byte depend on
+    the sizes: caches). Rank 0's value is used everywhere.
 
     Example: ``TF_MPI_SPARSE_DEDUP_THRESHOLD=0.5 python -m tf_mpi.run -np 4 python train.py``
     """
     from tf_mpi.basics import _core
     env = os.environ.get("TF_MPI_SPARSE_DEDUP_THRESHOLD", "").strip()
     if not env:
-        return measure_costs().dedup_threshold
+        if table_shape is None or len(table_shape) != 2:
+            return measure_costs().dedup_threshold
+        table_rows, width = (int(d) for d in table_shape)
+        return measure_costs(rows=max(table_rows // 4, 1), width=width, table_rows=table_rows).dedup_threshold
     try:
         value = float(env)
     except ValueError:
@@ -182,9 +214,10 @@ def dedup_threshold():
 def choose_dedup(total_rows, table_rows, threshold):
     """A scalar bool tensor: whether the deduplicated exchange is expected to beat a dense allreduce.
 
-    Both branches densify this rank's rows once (the dense branch its ``n``
-    rows, the dedup branch its sum of duplicates over the same ``n`` rows) and
-    pay one collective start-up, so those terms cancel. What differs, per byte
+    Both branches add this rank's ``n`` rows once (into ``V`` rows, or into
+    its ``u`` unique rows), fill one table-sized tensor (the dense branch's
+    densification, the dedup branch's final ``scatter_nd``) and pay one
+    collective start-up, so those terms cancel. What differs, per byte
     of a row: the dense branch allreduces ``V`` rows (``allreduce_beta * V``);
     the dedup branch allgathers ``T`` rows and adds them into the result
     (``(allgather_beta + scatter_gamma) * T``). Deduplicate while
@@ -196,23 +229,38 @@ def choose_dedup(total_rows, table_rows, threshold):
     return tf.cast(total_rows, tf.float64) < tf.constant(threshold, tf.float64) * tf.cast(table_rows, tf.float64)
 
 
-def _combine(gathered_rows, gathered_indices, counts, dense_shape, size):
-    """The dense sum of every rank's (index, row) pairs, added in rank order.
+def _sum_in_rank_order(gathered_rows, positions, counts, unique_count, size):
+    """The rows of every rank added into ``unique_count`` rows at ``positions``, rank 0's first.
 
-    One scatter per rank: a rank's indices are unique, so no two updates of
-    one scatter meet, and the additions happen in the same order on every
-    rank and device (a single segment sum over all ranks' rows would let
-    a GPU add colliding rows in any order)."""
+    One scatter per rank: a rank's positions are unique (its indices were
+    deduplicated before the exchange), so no two updates of one scatter meet,
+    and every row receives its additions in rank order, on every rank and
+    device (a single segment sum over all ranks' rows would let a GPU add
+    colliding rows in any order)."""
     rows = tf.split(gathered_rows, counts, num=size)
-    indices = tf.split(gathered_indices, counts, num=size)
-    result = tf.zeros(dense_shape, gathered_rows.dtype)
-    for r, i in zip(rows, indices):
-        result = tf.tensor_scatter_nd_add(result, i[:, None], r)
-    return result
+    where = tf.split(positions, counts, num=size)
+    width = tf.shape(gathered_rows, out_type=tf.int64)[1:]
+    summed = tf.zeros(tf.concat([tf.reshape(unique_count, [1]), width], 0), gathered_rows.dtype)
+    for r, p in zip(rows, where):
+        summed = tf.tensor_scatter_nd_add(summed, p[:, None], r)
+    return summed
+
+
+def _check_slices(grad, mode):
+    if grad.values.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
+        raise TypeError(f"tf_mpi: sparse={mode!r} reduces float gradients; got {grad.values.dtype.name} IndexedSlices")
+    if grad.dense_shape is None:
+        raise ValueError(f"tf_mpi: sparse={mode!r} needs the IndexedSlices' dense_shape (the table's shape)")
 
 
 def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=None, threshold=None):
-    """Reduces one IndexedSlices gradient with mode "dedup" or "auto"; returns a dense tensor.
+    """Reduces one IndexedSlices gradient with mode "dedup" or "auto".
+
+    "dedup" returns a ``tf.IndexedSlices`` whose indices are the touched rows,
+    each once, in the order they first occur in rank 0's, then rank 1's, ...
+    indices, and whose values are the rows summed over ranks in rank order:
+    the same on every rank. "auto" returns a dense tensor (the dense
+    allreduce, or the deduplicated rows written into a table-sized tensor).
 
     Args:
       grad: the tf.IndexedSlices (float32, float16 or bfloat16 values).
@@ -225,7 +273,8 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
       dense_allreduce: (dense tensor, name) -> reduced tensor, the dense
         branch of "auto" (it applies its own averaging and scaling).
       threshold: ``choose_dedup``'s threshold for "auto" (default:
-        ``dedup_threshold()``, a collective on first use).
+        ``dedup_threshold`` of the table's static shape, a collective on
+        first use).
 
     Example::
 
@@ -234,36 +283,42 @@ def reduce_indexed_slices(grad, mode, name, size, scale=1.0, dense_allreduce=Non
     from tf_mpi import ops
     if mode not in ("dedup", "auto"):
         raise ValueError(f"tf_mpi: reduce_indexed_slices takes mode 'dedup' or 'auto', got {mode!r}")
+    _check_slices(grad, mode)
     values = grad.values
-    if values.dtype not in (tf.float32, tf.float16, tf.bfloat16, tf.float64):
-        raise TypeError(f"tf_mpi: sparse={mode!r} reduces float gradients; got {values.dtype.name} IndexedSlices")
-    if grad.dense_shape is None:
-        raise ValueError(f"tf_mpi: sparse={mode!r} needs the IndexedSlices' dense_shape (the table's shape)")
     dense_shape = tf.cast(grad.dense_shape, tf.int64)
-    # Indices first: they depend on the input ids only, so their exchange can
-    # run while backprop is still computing the rows.
+    # Indices first: they depend on the input ids only, so their exchange (and
+    # the global deduplication) can run while backprop is still computing the rows.
     unique, position = tf.unique(tf.cast(grad.indices, tf.int64))
     count = tf.shape(unique, out_type=tf.int64)[:1]
     gathered_indices, counts = ops.grouped_allgather([unique, count], name=f"{name}.indices")
 
     def exchange():
+        """(each touched index once, in rank order; its row summed over ranks)."""
+        touched, touched_position = tf.unique(gathered_indices)
         rows = tf.math.unsorted_segment_sum(values, position, count[0])
         if scale != 1.0:
             rows = rows * tf.cast(scale, rows.dtype)
         gathered_rows = ops.allgather(rows, name=f"{name}.rows")
-        return _combine(gathered_rows, gathered_indices, counts, dense_shape, size)
+        touched_count = tf.shape(touched, out_type=tf.int64)[0]
+        return touched, _sum_in_rank_order(gathered_rows, touched_position, counts, touched_count, size)
 
     if mode == "dedup":
-        return _with_static_shape(exchange(), grad)
+        touched, summed = exchange()
+        return tf.IndexedSlices(summed, touched, grad.dense_shape)
+
+    def exchange_dense():
+        touched, summed = exchange()
+        # touched holds each row once: the scatter is a plain write, no two updates meet.
+        return tf.scatter_nd(touched[:, None], summed, dense_shape)
 
     def allreduce():
         dense = tf.math.unsorted_segment_sum(values, tf.cast(grad.indices, tf.int64), dense_shape[0])
         return dense_allreduce(dense, f"{name}.dense")
 
     if threshold is None:
-        threshold = dedup_threshold()
+        threshold = dedup_threshold(tf.get_static_value(grad.dense_shape))
     decide = choose_dedup(tf.shape(gathered_indices)[0], dense_shape[0], threshold)
-    return _with_static_shape(tf.cond(decide, exchange, allreduce), grad)
+    return _with_static_shape(tf.cond(decide, exchange_dense, allreduce), grad)
 
 
 def _with_static_shape(result, grad):

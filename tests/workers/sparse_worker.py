@@ -81,19 +81,46 @@ def digest_identical(array, what):
 _variable = tf.Variable(tf.zeros([V, W]))
 
 
-def reduce_once(mode, case, dtype, op, in_function=True):
-    """This rank's IndexedSlices of `case`, reduced by a GradientReducer with sparse=mode; numpy float64."""
+def reduce_raw(mode, case, dtype, op, in_function=True):
+    """This rank's IndexedSlices of `case`, reduced by a GradientReducer with sparse=mode: what it returns
+    (numpy arrays: (indices, values) for an IndexedSlices, else the dense tensor)."""
     idx, values = rank_slices(case, R)
     reducer = GradientReducer(f"sp.{mode}.{case}.{dtype.name}.{op}.{in_function}", op=op, sparse=mode)
 
     def run(i, v):
         out = reducer.reduce([tf.IndexedSlices(v, i, tf.constant([V, W], tf.int64))], [_variable])[0]
-        return tf.convert_to_tensor(out)
+        return (out.indices, out.values) if isinstance(out, tf.IndexedSlices) else out
 
     fn = tf.function(run) if in_function else run
     out = fn(tf.constant(idx), tf.constant(values, dtype))
-    assert out.dtype == dtype and out.shape == (V, W), (out.dtype, out.shape)
-    return out.numpy().astype(np.float64), out.numpy()
+    return tuple(t.numpy() for t in out) if isinstance(out, tuple) else out.numpy()
+
+
+def reduce_once(mode, case, dtype, op, in_function=True):
+    """reduce_raw's result as a dense table: (float64 copy, raw array); "dedup"'s IndexedSlices are
+    checked first (each touched row once, in the canonical order) and then densified in numpy."""
+    out = reduce_raw(mode, case, dtype, op, in_function)
+    if mode == "dedup":
+        indices, rows = out
+        assert indices.dtype == np.int64 and rows.dtype == dtype.as_numpy_dtype, (indices.dtype, rows.dtype)
+        assert np.array_equal(indices, touched_rows_in_rank_order(case)), (indices, touched_rows_in_rank_order(case))
+        assert rows.shape == (len(indices), W), rows.shape
+        digest_identical(indices, f"indices {mode} {case} {dtype.name} {op} {in_function}")
+        dense = np.zeros([V, W], rows.dtype)
+        dense[indices] = rows
+        return dense.astype(np.float64), dense
+    assert out.dtype == dtype.as_numpy_dtype and out.shape == (V, W), (out.dtype, out.shape)
+    return out.astype(np.float64), out
+
+
+def touched_rows_in_rank_order(case):
+    """Every touched row once, in the order it first occurs in rank 0's ids, then rank 1's, ..."""
+    order = []
+    for r in range(N):
+        for i in rank_slices(case, r)[0]:
+            if i not in order:
+                order.append(int(i))
+    return np.array(order, np.int64)
 
 
 def assert_matches(got, want, op, tolerance, what):
@@ -118,6 +145,17 @@ def check_dedup_equals_dense_reduction_and_is_bit_identical_everywhere():
                 assert_matches(dedup, want, op, tolerance, what + " dedup")
                 digest_identical(raw, what)
     assert np.any(expected("duplicates", hvd.Sum) != 0)
+
+
+def check_dedup_returns_each_touched_row_once():
+    # reduce_once checks the indices against touched_rows_in_rank_order; here, that this is a real
+    # deduplication: fewer rows than allgather's, and no index twice.
+    indices, rows = reduce_raw("dedup", "duplicates", tf.float32, hvd.Sum)
+    assert len(np.unique(indices)) == len(indices), indices
+    assert len(indices) < sum(len(rank_slices("duplicates", r)[0]) for r in range(N))
+    want = expected("duplicates", hvd.Sum)
+    assert np.array_equal(rows.astype(np.float64), want[indices])
+    assert np.all(want[np.setdiff1d(np.arange(V), indices)] == 0)
 
 
 def check_dedup_in_eager_mode():
@@ -155,6 +193,10 @@ def check_auto_takes_the_same_branch_everywhere_and_both_are_exact():
 
 def check_measured_cost_model_is_rank_0s_everywhere():
     costs = sparse.measure_costs()
+    assert sparse.measured_costs() is costs
+    table = sparse.measure_costs(rows=100, width=W, table_rows=400)  # a table's own size, cached apart
+    assert sparse.measured_costs() is table and table is not costs
+    assert sparse.measure_costs() is costs and sparse.measured_costs() is costs
     values = np.array([costs.allreduce_beta, costs.allgather_beta, costs.scatter_gamma, costs.dedup_threshold])
     assert np.all(values > 0) and np.all(np.isfinite(values)), values
     gathered = _core.allgather(values[None, :], "costs")
@@ -190,8 +232,8 @@ def densified(optimizer):
 
     Keras 3's Adam squares an IndexedSlices gradient row by row, so an id that occurs twice
     contributes g1^2 + g2^2 to the second moment instead of (g1 + g2)^2; the distributed
-    result of sparse="dedup"/"auto" is dense, and equals one-rank training on the dense
-    gradient."""
+    result of sparse="dedup" (each touched row once) and "auto" (dense) equals one-rank
+    training on the dense gradient."""
     class Densified(type(optimizer)):
         def apply(self, grads, trainable_variables=None):
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -203,6 +245,7 @@ def check_fit_with_embedding_matches_one_rank_on_the_global_batch():
     steps, batch = 4, 6
     x, y = embedding_data(steps, batch)
     for mode, make_opt in (("dedup", lambda: keras.optimizers.Adam(0.01)),
+                           ("dedup", lambda: keras.optimizers.SGD(0.5)),  # applies the touched rows only
                            ("auto", lambda: keras.optimizers.SGD(0.2, momentum=0.9))):
         model = embedding_model(1)
         model.compile(optimizer=hvd.DistributedOptimizer(make_opt(), sparse=mode), loss="mse", jit_compile=False)
@@ -231,7 +274,8 @@ def check_tape_with_embedding_matches_one_rank_on_the_global_batch():
                 loss = loss_fn(yb, model(xb, training=True))
             tape = hvd.DistributedGradientTape(tape, sparse=mode, name=f"tape.{mode}")
             grads = tape.gradient(loss, model.trainable_variables)
-            assert not isinstance(grads[0], tf.IndexedSlices)  # dedup's result is dense
+            # dedup hands the optimizer each touched row once; auto a dense table
+            assert isinstance(grads[0], tf.IndexedSlices) == (mode == "dedup"), type(grads[0])
             opt.apply_gradients(zip(grads, model.trainable_variables))
 
         @tf.function

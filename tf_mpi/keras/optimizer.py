@@ -221,8 +221,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         ``register_local_var`` by size() (Horovod's default), or leave them as they are.
       sparse: how IndexedSlices gradients travel: "allgather" (every rank's rows, Horovod's
         default), "dense" (= ``sparse_as_dense=True``), "dedup" (each rank sums its duplicate rows,
-        the ranks exchange only the touched rows, the result is dense) or "auto" (per tensor and
-        step, "dedup" or a dense allreduce by measured cost). None: "dense" with
+        the ranks exchange only the touched rows, the optimizer gets each touched row once as
+        IndexedSlices) or "auto" (per tensor and step, dedup's exchange or a dense allreduce by
+        measured cost; the optimizer gets a dense gradient). None: "dense" with
         ``sparse_as_dense=True``, else "allgather". See tf_mpi.sparse and docs/sparse-gradients.md.
 
     Example::

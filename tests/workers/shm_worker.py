@@ -222,6 +222,26 @@ def check_fused_pieces_without_fusion_buffer():
     assert_same_on_every_rank(results, "pieces")
 
 
+def check_large_bucket_of_odd_pieces():
+    # Over 4 MiB a collective writes its outputs with non-temporal stores
+    # (shm_allreduce.cc StreamCopy); odd piece sizes make every copy start
+    # and end off alignment. Bit for bit equal to the MPI path.
+    if SHM == "0":
+        raise SkipCheck("shared memory is off in this launch")
+    for dtype, op in (("int32", hvd.Sum), ("float32", hvd.Sum), ("float32", hvd.Average), ("int8", hvd.Max),
+                      ("float64", hvd.Min)):
+        counts = [3, (4 << 20) // np.dtype(np_dtype(dtype)).itemsize + 1, 17, 777777, 1, 300001, 0, 5]
+        xs = [values(R, c, dtype, seed=i) for i, c in enumerate(counts)]
+        op_name = {hvd.Sum: "Sum", hvd.Average: "Average", hvd.Max: "Max", hvd.Min: "Min"}[op]
+        name = f"large.{dtype}.{op_name}"
+        shm, mpi, ran = on_both_paths(lambda: _core.grouped_allreduce(xs, op, name))
+        assert ran == 1, f"{name}: {ran} shared-memory buckets"
+        assert sum(x.nbytes for x in xs) >= 4 << 20
+        for i, c in enumerate(counts):
+            assert_matches(shm[i], mpi[i], reference(op_name, c, dtype, seed=i), dtype, f"{name}[{i}]")
+        assert_same_on_every_rank(shm, name)
+
+
 def check_requests_with_different_scales_fused_in_one_bucket():
     # Separate allreduce ops of one tf.function reach the engine together
     # most of the time and then share a bucket although their prescale,

@@ -2,7 +2,7 @@
 
 Run (from the repository root; rank 0 prints, every rank measures)::
 
-    mpirun -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json]
+    mpirun -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json] [--only sizes|storm]
 
 What it measures (float32, op=Sum, all times are per allreduce):
 
@@ -443,6 +443,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=None,
                         help="samples per measurement (default: adaptive, 40 for <=1 MiB down to 15 for >16 MiB)")
     parser.add_argument("--json", default=None, help="write all measured numbers to this file (rank 0)")
+    parser.add_argument("--only", choices=("sizes", "storm"), default=None,
+                        help="run only part (a) or part (b); the target lines need both")
     args = parser.parse_args()
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -467,9 +469,9 @@ def main():
     log(f"  TF_MPI_* env   : {env or '(none set)'}")
     log("  TF threads     : intra-op 1, inter-op 2")
 
-    sizes = bench_sizes(args.repeats)
-    storm = bench_storm(args.repeats)
-    checks = target_checks(sizes, storm)
+    sizes = bench_sizes(args.repeats) if args.only != "storm" else None
+    storm = bench_storm(args.repeats) if args.only != "sizes" else None
+    checks = target_checks(sizes, storm) if sizes and storm else []
     elapsed = time.perf_counter() - start
     log(f"\nbenchmark time: {elapsed:.1f} s")
 

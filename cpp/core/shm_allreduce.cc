@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 
 #include <unistd.h>
 #if defined(__SSE2__)
@@ -60,6 +61,15 @@ void StreamFence() {
 
 Mode ParseMode(const std::string& s) { return s == "0" ? Mode::kOff : s == "1" ? Mode::kOn : Mode::kAuto; }
 
+// `count` elements cut into `n` blocks that differ by at most one element.
+std::vector<int64_t> EvenBlocks(int64_t count, int n) {
+  std::vector<int64_t> counts(n);
+  for (int p = 0; p < n; ++p) counts[p] = count / n + (p < count % n ? 1 : 0);
+  return counts;
+}
+
+int64_t Total(const std::vector<int64_t>& counts) { return std::accumulate(counts.begin(), counts.end(), int64_t{0}); }
+
 }  // namespace
 
 // One collective: which stages run, on which memory.
@@ -102,14 +112,6 @@ struct ShmCollectives::Job {
     }
   }
 };
-
-namespace {
-std::vector<int64_t> EvenBlocks(int64_t count, int n) {
-  std::vector<int64_t> counts(n);
-  for (int p = 0; p < n; ++p) counts[p] = count / n + (p < count % n ? 1 : 0);
-  return counts;
-}
-}  // namespace
 
 void ShmCollectives::SetPaused(bool paused) { g_paused.store(paused, std::memory_order_relaxed); }
 
@@ -178,17 +180,13 @@ Status ShmCollectives::Allreduce(const std::vector<ShmPiece>& pieces, DataType d
 
 Status ShmCollectives::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype,
                                      ReduceOp op, double prescale, double postscale) {
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  Job job({{in, nullptr, total, prescale, postscale}}, counts, dtype, op, true, false);
+  Job job({{in, nullptr, Total(counts), prescale, postscale}}, counts, dtype, op, true, false);
   job.own_out = static_cast<char*>(out);
   return Run(job);
 }
 
 Status ShmCollectives::Allgather(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype) {
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  Job job({{nullptr, out, total, 1.0, 1.0}}, counts, dtype, ReduceOp::kSum, false, true);
+  Job job({{nullptr, out, Total(counts), 1.0, 1.0}}, counts, dtype, ReduceOp::kSum, false, true);
   job.own_in = static_cast<const char*>(in);
   return Run(job);
 }

@@ -225,9 +225,15 @@ Status ShmCollectives::Run(const Job& job) {
     auto copy_out = [&](int p, const char* from) {
       for_each_span(p, [&](const ShmPiece& piece, int64_t o, int64_t r, int64_t cnt) {
         char* to = out_at(piece, o);
-        if (to == from + r * elem) return;
-        if (stream && piece.postscale == 1.0) StreamCopy(to, from + r * elem, cnt * elem);
-        else ScaleCopy(to, from + r * elem, cnt, job.dtype, piece.postscale);
+        const char* src = from + r * elem;
+        if (to == src) return;
+        if (!stream) return ScaleCopy(to, src, cnt, job.dtype, piece.postscale);
+        if (piece.postscale != 1.0) {
+          // Scaled in a cache-resident scratch (the slot itself is read by peers), then streamed.
+          ScaleCopy(scratch_.data(), src, cnt, job.dtype, piece.postscale);
+          src = scratch_.data();
+        }
+        StreamCopy(to, src, cnt * elem);
       });
     };
 

@@ -132,13 +132,14 @@ class ShmCollectives {
  private:
   struct Job;
   ShmCollectives(std::unique_ptr<ShmSegment> segment, int64_t min_bytes)
-      : segment_(std::move(segment)), min_bytes_(min_bytes) {}
+      : segment_(std::move(segment)), min_bytes_(min_bytes), scratch_(segment_->slot_bytes()) {}
   Status Run(const Job& job);
 
   std::unique_ptr<ShmSegment> segment_;
   int64_t min_bytes_;
   uint64_t step_ = 0;  // pipeline steps done so far (identical on every rank)
   int64_t last_wait_ns_ = 0;
+  std::vector<char> scratch_;  // one slot: postscaled results on their way to streamed outputs
 };
 
 }  // namespace tfmpi

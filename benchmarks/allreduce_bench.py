@@ -380,6 +380,14 @@ def bench_storm(repeats_override):
     k = calls_per_sample(fns["ours"][0])
     for name in fns:
         fns[name][0]()
+    # How the engine cut one call into buckets (negotiation batches decide it, so it varies).
+    before = basics._core.stats()
+    ours()
+    after = basics._core.stats()
+    buckets = {key: after[key] - before[key] for key in ("allreduce_buckets", "shm_allreduces", "shm_fused_buckets",
+                                                          "shm_fused_pieces")}
+    log(f"  one call: {buckets['allreduce_buckets']} buckets, {buckets['shm_allreduces']} over shared memory, "
+        f"{buckets['shm_fused_buckets']} of them fused from {buckets['shm_fused_pieces']} tensors")
     repeats = repeats_override or default_repeats(n * 4)
     r = time_interleaved(fns, repeats, k, "gradient storm")
     labels = {"ours": f"tf_mpi, {len(shapes)} ops",
@@ -398,7 +406,7 @@ def bench_storm(repeats_override):
     log(f"  ours / raw chunked = {ratio_chunked:.2f}x   (mpi path / raw chunked = "
         f"{r['ours_mpi']['median_s'] / r['raw_chunked']['median_s']:.2f}x)")
     log(f"  ours / mpi path    = {ratio_mpi_path:.2f}x")
-    return dict(num_tensors=len(shapes), elements=n, bytes=n * 4, chunk_bytes=CHUNK_BYTES, **r,
+    return dict(num_tensors=len(shapes), elements=n, bytes=n * 4, chunk_bytes=CHUNK_BYTES, one_call=buckets, **r,
                 ratio_vs_flat=ratio_flat, ratio_vs_chunked=ratio_chunked, ratio_vs_mpi_path=ratio_mpi_path)
 
 

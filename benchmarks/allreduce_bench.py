@@ -384,7 +384,7 @@ def bench_storm(repeats_override):
     before = basics._core.stats()
     ours()
     after = basics._core.stats()
-    buckets = {key: after[key] - before[key] for key in ("allreduce_buckets", "shm_allreduces", "shm_fused_buckets",
+    buckets = {key: after.get(key, 0) - before.get(key, 0) for key in ("allreduce_buckets", "shm_allreduces", "shm_fused_buckets",
                                                           "shm_fused_pieces")}
     log(f"  one call: {buckets['allreduce_buckets']} buckets, {buckets['shm_allreduces']} over shared memory, "
         f"{buckets['shm_fused_buckets']} of them fused from {buckets['shm_fused_pieces']} tensors")

@@ -384,8 +384,8 @@ def bench_storm(repeats_override):
     before = basics._core.stats()
     ours()
     after = basics._core.stats()
-    buckets = {key: after.get(key, 0) - before.get(key, 0) for key in ("allreduce_buckets", "shm_allreduces", "shm_fused_buckets",
-                                                          "shm_fused_pieces")}
+    counters = ("allreduce_buckets", "shm_allreduces", "shm_fused_buckets", "shm_fused_pieces")
+    buckets = {key: after.get(key, 0) - before.get(key, 0) for key in counters}
     log(f"  one call: {buckets['allreduce_buckets']} buckets, {buckets['shm_allreduces']} over shared memory, "
         f"{buckets['shm_fused_buckets']} of them fused from {buckets['shm_fused_pieces']} tensors")
     repeats = repeats_override or default_repeats(n * 4)

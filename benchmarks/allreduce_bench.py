@@ -2,7 +2,7 @@
 
 Run (from the repository root; rank 0 prints, every rank measures)::
 
-    mpirun -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json]
+    mpirun -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json] [--only sizes|storm]
 
 What it measures (float32, op=Sum, all times are per allreduce):
 
@@ -380,6 +380,14 @@ def bench_storm(repeats_override):
     k = calls_per_sample(fns["ours"][0])
     for name in fns:
         fns[name][0]()
+    # How the engine cut one call into buckets (negotiation batches decide it, so it varies).
+    before = basics._core.stats()
+    ours()
+    after = basics._core.stats()
+    counters = ("allreduce_buckets", "shm_allreduces", "shm_fused_buckets", "shm_fused_pieces")
+    buckets = {key: after.get(key, 0) - before.get(key, 0) for key in counters}
+    log(f"  one call: {buckets['allreduce_buckets']} buckets, {buckets['shm_allreduces']} over shared memory, "
+        f"{buckets['shm_fused_buckets']} of them fused from {buckets['shm_fused_pieces']} tensors")
     repeats = repeats_override or default_repeats(n * 4)
     r = time_interleaved(fns, repeats, k, "gradient storm")
     labels = {"ours": f"tf_mpi, {len(shapes)} ops",
@@ -398,7 +406,7 @@ def bench_storm(repeats_override):
     log(f"  ours / raw chunked = {ratio_chunked:.2f}x   (mpi path / raw chunked = "
         f"{r['ours_mpi']['median_s'] / r['raw_chunked']['median_s']:.2f}x)")
     log(f"  ours / mpi path    = {ratio_mpi_path:.2f}x")
-    return dict(num_tensors=len(shapes), elements=n, bytes=n * 4, chunk_bytes=CHUNK_BYTES, **r,
+    return dict(num_tensors=len(shapes), elements=n, bytes=n * 4, chunk_bytes=CHUNK_BYTES, one_call=buckets, **r,
                 ratio_vs_flat=ratio_flat, ratio_vs_chunked=ratio_chunked, ratio_vs_mpi_path=ratio_mpi_path)
 
 
@@ -443,6 +451,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=None,
                         help="samples per measurement (default: adaptive, 40 for <=1 MiB down to 15 for >16 MiB)")
     parser.add_argument("--json", default=None, help="write all measured numbers to this file (rank 0)")
+    parser.add_argument("--only", choices=("sizes", "storm"), default=None,
+                        help="run only part (a) or part (b); the target lines need both")
     args = parser.parse_args()
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -467,9 +477,9 @@ def main():
     log(f"  TF_MPI_* env   : {env or '(none set)'}")
     log("  TF threads     : intra-op 1, inter-op 2")
 
-    sizes = bench_sizes(args.repeats)
-    storm = bench_storm(args.repeats)
-    checks = target_checks(sizes, storm)
+    sizes = bench_sizes(args.repeats) if args.only != "storm" else None
+    storm = bench_storm(args.repeats) if args.only != "sizes" else None
+    checks = target_checks(sizes, storm) if sizes and storm else []
     elapsed = time.perf_counter() - start
     log(f"\nbenchmark time: {elapsed:.1f} s")
 

@@ -1,5 +1,7 @@
 """The shared-memory allreduce (TF_MPI_SHM) under real mpirun: every dtype and
-op, direct and fused, sizes around a pipeline step and the switch-over size,
+op, direct and fused (a bucket's tensors reduced where they lie: mixed sizes,
+empty tensors, pieces across steps and blocks, per-request scales, a bucket
+over 4 MiB), sizes around a pipeline step and the switch-over size,
 np=2 and np=3, prescale/postscale, integer wrap-around, the response cache,
 join, TensorFlow ops and the timeline, all compared with the MPI path in the
 same process and with numpy; TF_MPI_SHM=0 keeps it off; and a rank that exits

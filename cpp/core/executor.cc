@@ -117,11 +117,17 @@ void Executor::ReduceInPlace(Device& dev, void* buf, int64_t count, DataType dty
   stats_->gpu_direct_bytes += c.direct_bytes;
 }
 
-std::string Executor::RunShm(const std::vector<Request*>& reqs, const void* in, void* out, int64_t count,
-                             DataType dtype, ReduceOp op, double prescale, double postscale) {
-  const Status s = shm_->Allreduce(in, out, count, dtype, op, prescale, postscale);
+std::string Executor::RunShm(const std::vector<Request*>& reqs, const std::vector<ShmPiece>& pieces, DataType dtype,
+                             ReduceOp op) {
+  const Status s = shm_->Allreduce(pieces, dtype, op);
   ++stats_->shm_allreduces;
+  int64_t count = 0;
+  for (const ShmPiece& p : pieces) count += p.count;
   stats_->shm_bytes += count * static_cast<int64_t>(DataTypeSize(dtype));
+  if (pieces.size() > 1) {
+    ++stats_->shm_fused_buckets;
+    stats_->shm_fused_pieces += static_cast<int64_t>(pieces.size());
+  }
   if (!s.ok())
     for (const Request* r : reqs) failed_.emplace(r, s);
   return ", \"transport\": \"shm\", \"wait_us\": " + std::to_string(shm_->last_wait_ns() / 1000);
@@ -240,7 +246,13 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
       items.push_back({m.tensors[t].dtype, m.op, count * static_cast<int64_t>(DataTypeSize(m.tensors[t].dtype)), m.gpu});
     }
   }
-  for (const FusionBucket& b : PlanFusion(items, tunables_.fusion_threshold, tunables_.direct_bytes)) {
+  // Over shared memory a fused bucket costs no copies (its tensors are read
+  // and written where they lie, ShmPiece), so tensors that would skip the
+  // fusion buffer on the MPI path are fused there too: fewer, longer
+  // pipelines. Only when every bucket of such tensors takes shared memory
+  // (Chooses: the same answer on every rank), so the plan is alike everywhere.
+  const int64_t direct_bytes = shm_ && shm_->Chooses(tunables_.direct_bytes) ? 0 : tunables_.direct_bytes;
+  for (const FusionBucket& b : PlanFusion(items, tunables_.fusion_threshold, direct_bytes)) {
     ++stats_->allreduce_buckets;
     stats_->CountPayload(CollectiveType::kAllreduce, b.bytes);
     const Slot& first = slots[b.items[0]];
@@ -258,16 +270,23 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     auto t0 = TClock::now();
     const DataType dtype = first.req->meta.tensors[first.t].dtype;
     const ReduceOp op = first.req->meta.op;
+    if (UseShm(dev, b.bytes)) {
+      // One tensor or many alike: no fusion buffer (shm_allreduce.h, pieces).
+      std::vector<ShmPiece> pieces;
+      pieces.reserve(b.items.size());
+      for (size_t i : b.items) {
+        const Slot& s = slots[i];
+        pieces.push_back({s.req->inputs[s.t], s.req->outputs[s.t], s.count, s.req->meta.prescale,
+                          PostScale(s.req->meta, s.contributors)});
+      }
+      const std::string more = RunShm(served, pieces, dtype, op);
+      Phase(timeline_, members, "SHM_ALLREDUCE", t0, args.substr(0, args.size() - 1) + more + "}");
+      continue;
+    }
     if (b.direct) {
       const RequestMeta& m = first.req->meta;
       const void* in = first.req->inputs[first.t];
       void* out = first.req->outputs[first.t];
-      if (UseShm(dev, b.bytes)) {
-        const std::string more = RunShm(served, in, out, first.count, dtype, op, m.prescale,
-                                        PostScale(m, first.contributors));
-        Phase(timeline_, members, "SHM_ALLREDUCE", t0, args.substr(0, args.size() - 1) + more + "}");
-        continue;
-      }
       if (dev.is_host() && m.prescale == 1.0) {
         HostAllreduce(in, out, first.count, dtype, op, members, args);  // MPI copies `in` itself
       } else {
@@ -292,13 +311,8 @@ void Executor::RunAllreduces(const std::vector<Work>& work) {
     if (buf) dev.ScaleCopy(copies, dtype);
     Phase(timeline_, members, "MEMCPY_IN_FUSION_BUFFER", t0, args);
     t0 = TClock::now();
-    if (UseShm(dev, b.bytes)) {
-      const std::string more = RunShm(served, buf, buf, b.bytes / DataTypeSize(dtype), dtype, op, 1.0, 1.0);
-      Phase(timeline_, members, "SHM_ALLREDUCE", t0, args.substr(0, args.size() - 1) + more + "}");
-    } else {
-      ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op, members, args);
-      Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
-    }
+    ReduceInPlace(dev, buf, b.bytes / DataTypeSize(dtype), dtype, op, members, args);
+    Phase(timeline_, members, "MPI_ALLREDUCE", t0, args);
     t0 = TClock::now();
     for (size_t c = 0; c < b.items.size(); ++c) {
       const Slot& s = slots[b.items[c]];

@@ -62,6 +62,9 @@ struct ExecutorStats {
   }
   // Allreduce buckets (and their bytes) that ran over shared memory (shm_allreduce.h).
   std::atomic<int64_t> shm_allreduces{0}, shm_bytes{0};
+  // Shared-memory buckets of several tensors, and their tensors, reduced
+  // from and into the tensors' own buffers (no fusion buffer: ShmPiece).
+  std::atomic<int64_t> shm_fused_buckets{0}, shm_fused_pieces{0};
 };
 
 class Executor {
@@ -118,9 +121,10 @@ class Executor {
   // memory (shm_allreduce.h) when it is set up and chooses `bytes`, which
   // every rank answers alike.
   bool UseShm(const Device& dev, int64_t bytes) const { return shm_ && dev.is_host() && shm_->Chooses(bytes); }
-  // The shared-memory allreduce; fails `reqs` if it fails. Returns timeline args to add.
-  std::string RunShm(const std::vector<Request*>& reqs, const void* in, void* out, int64_t count, DataType dtype,
-                     ReduceOp op, double prescale, double postscale);
+  // The shared-memory allreduce of `pieces` (one or more tensors); fails
+  // `reqs` if it fails. Returns timeline args to add.
+  std::string RunShm(const std::vector<Request*>& reqs, const std::vector<ShmPiece>& pieces, DataType dtype,
+                     ReduceOp op);
   // Waits for `dev`, and fails `reqs` with its error if it had one.
   void Settle(Device& dev, const std::vector<Request*>& reqs);
 

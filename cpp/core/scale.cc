@@ -9,6 +9,28 @@
 
 namespace tfmpi {
 
+namespace {
+
+// Calls body(i) for every i in [0, count), element-wise loops over buffers
+// where dst may be a source (the same element: in place) but never overlaps
+// one partly. Blocks of a fixed length let the compiler vectorise at -O2
+// without a runtime alias check (ivdep: no dependence between iterations),
+// which it otherwise declines (scalar loops slowed the shared-memory reduce
+// by a sixth to a quarter in a single-core measurement). Vector and scalar
+// code compute the same IEEE operation per element: results do not change.
+template <typename Body>
+inline void ElementWise(int64_t count, Body body) {
+  constexpr int kBlock = 16;
+  int64_t i = 0;
+  for (; i + kBlock <= count; i += kBlock) {
+#pragma GCC ivdep
+    for (int k = 0; k < kBlock; ++k) body(i + k);
+  }
+  for (; i < count; ++i) body(i);
+}
+
+}  // namespace
+
 void ScaleCopy(void* dst, const void* src, int64_t count, DataType dtype, double factor) {
   DispatchType(dtype, [&](auto zero) {
     using T = decltype(zero);
@@ -21,10 +43,9 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dtype, double
     }
     if constexpr (std::is_floating_point_v<A>) {
       const A f = static_cast<A>(factor);
-      for (int64_t i = 0; i < count; ++i) out[i] = Store<T>(Load(in[i]) * f);
+      ElementWise(count, [&](int64_t i) { out[i] = Store<T>(Load(in[i]) * f); });
     } else {
-      for (int64_t i = 0; i < count; ++i)
-        out[i] = static_cast<T>(static_cast<double>(in[i]) * factor);
+      ElementWise(count, [&](int64_t i) { out[i] = static_cast<T>(static_cast<double>(in[i]) * factor); });
     }
   });
 }
@@ -57,7 +78,7 @@ struct Greater { template <typename A> A operator()(A x, A y) const { return std
 
 template <typename T, typename F>
 void Combine(T* dst, const T* a, const T* b, int64_t count, F f) {
-  for (int64_t i = 0; i < count; ++i) dst[i] = Store<T>(f(Load(a[i]), Load(b[i])));
+  ElementWise(count, [&](int64_t i) { dst[i] = Store<T>(f(Load(a[i]), Load(b[i]))); });
 }
 
 }  // namespace

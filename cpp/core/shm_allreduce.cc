@@ -2,9 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <numeric>
 
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "logging.h"
 #include "scale.h"
@@ -19,19 +24,93 @@ std::atomic<bool> g_paused{false};
 
 enum class Mode : int64_t { kOff = 0, kOn = 1, kAuto = 2 };
 
+// Collectives of at least this many bytes write their outputs with
+// non-temporal stores (StreamCopy): outputs this large leave the caches
+// before anyone reads them, and a normal store first reads every line it
+// writes (a third more memory traffic on the output side).
+constexpr int64_t kStreamBytes = 4ll << 20;
+
+// memcpy with non-temporal stores where the CPU has them (x86-64 always).
+// StreamFence() must follow before another thread may read `dst`.
+void StreamCopy(char* dst, const char* src, int64_t bytes) {
+#if defined(__SSE2__)
+  const int64_t head = std::min<int64_t>(bytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  for (; bytes >= 64; dst += 64, src += 64, bytes -= 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+// Orders the non-temporal stores before every later store (the completion
+// that hands the outputs to the caller's thread).
+void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 Mode ParseMode(const std::string& s) { return s == "0" ? Mode::kOff : s == "1" ? Mode::kOn : Mode::kAuto; }
+
+// `count` elements cut into `n` blocks that differ by at most one element.
+std::vector<int64_t> EvenBlocks(int64_t count, int n) {
+  std::vector<int64_t> counts(n);
+  for (int p = 0; p < n; ++p) counts[p] = count / n + (p < count % n ? 1 : 0);
+  return counts;
+}
+
+int64_t Total(const std::vector<int64_t>& counts) { return std::accumulate(counts.begin(), counts.end(), int64_t{0}); }
 
 }  // namespace
 
-// One collective: which stages run, on which buffers.
+// One collective: which stages run, on which memory.
 struct ShmCollectives::Job {
-  const char* in;   // reduce: the whole buffer; gather only: this rank's block
-  char* out;        // gather: the whole buffer; reduce only: this rank's block
-  std::vector<int64_t> counts;  // elements per block
+  // The virtual buffer (shm_allreduce.h): reduce stages read the pieces'
+  // inputs, gather stages write their outputs.
+  std::vector<ShmPiece> pieces;
+  std::vector<int64_t> starts;  // element offset of each piece in the virtual buffer
+  const char* own_in = nullptr;  // gather only: this rank's block, its contribution
+  char* own_out = nullptr;       // reduce only: receives this rank's reduced block
+  std::vector<int64_t> counts;   // elements per block
   DataType dtype;
   ReduceOp op;
-  double prescale, postscale;
   bool reduce, gather;
+
+  Job(std::vector<ShmPiece> p, std::vector<int64_t> c, DataType t, ReduceOp o, bool r, bool g)
+      : pieces(std::move(p)), counts(std::move(c)), dtype(t), op(o), reduce(r), gather(g) {
+    int64_t start = 0;
+    for (const ShmPiece& piece : pieces) {
+      starts.push_back(start);
+      start += piece.count;
+    }
+  }
+  int64_t total() const { return starts.empty() ? 0 : starts.back() + pieces.back().count; }
+
+  // Calls f(piece, element offset in the piece, element offset in the range,
+  // elements) for each run of the range [begin, begin + len) of the virtual
+  // buffer that lies in one piece, in order.
+  template <typename F>
+  void ForEachSpan(int64_t begin, int64_t len, F&& f) const {
+    if (len <= 0) return;
+    // The last piece that starts at or before `begin`.
+    size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+    for (int64_t done = 0; done < len && i < pieces.size(); ++i) {
+      const int64_t offset = begin + done - starts[i];
+      const int64_t n = std::min(pieces[i].count - offset, len - done);
+      if (n <= 0) continue;  // an empty piece
+      f(pieces[i], offset, done, n);
+      done += n;
+    }
+  }
 };
 
 void ShmCollectives::SetPaused(bool paused) { g_paused.store(paused, std::memory_order_relaxed); }
@@ -93,24 +172,23 @@ std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, co
   return shm;
 }
 
-Status ShmCollectives::Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
-                                 double prescale, double postscale) {
-  const int n = segment_->size();
-  Job job{static_cast<const char*>(in), static_cast<char*>(out), std::vector<int64_t>(n), dtype, op, prescale,
-          postscale, true, true};
-  for (int p = 0; p < n; ++p) job.counts[p] = count / n + (p < count % n ? 1 : 0);
+Status ShmCollectives::Allreduce(const std::vector<ShmPiece>& pieces, DataType dtype, ReduceOp op) {
+  Job job(pieces, {}, dtype, op, true, true);
+  job.counts = EvenBlocks(job.total(), segment_->size());
   return Run(job);
 }
 
 Status ShmCollectives::ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype,
                                      ReduceOp op, double prescale, double postscale) {
-  return Run({static_cast<const char*>(in), static_cast<char*>(out), counts, dtype, op, prescale, postscale, true,
-              false});
+  Job job({{in, nullptr, Total(counts), prescale, postscale}}, counts, dtype, op, true, false);
+  job.own_out = static_cast<char*>(out);
+  return Run(job);
 }
 
 Status ShmCollectives::Allgather(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype) {
-  return Run({static_cast<const char*>(in), static_cast<char*>(out), counts, dtype, ReduceOp::kSum, 1.0, 1.0, false,
-              true});
+  Job job({{nullptr, out, Total(counts), 1.0, 1.0}}, counts, dtype, ReduceOp::kSum, false, true);
+  job.own_in = static_cast<const char*>(in);
+  return Run(job);
 }
 
 Status ShmCollectives::Run(const Job& job) {
@@ -128,15 +206,36 @@ Status ShmCollectives::Run(const Job& job) {
   const int64_t longest = *std::max_element(job.counts.begin(), job.counts.end());
   const int64_t steps = (longest + per_step - 1) / per_step;
 
+  // Byte address of element `i` of a piece's input or output.
+  auto in_at = [&](const ShmPiece& piece, int64_t i) { return static_cast<const char*>(piece.in) + i * elem; };
+  auto out_at = [&](const ShmPiece& piece, int64_t i) { return static_cast<char*>(piece.out) + i * elem; };
+
+  const bool stream = job.total() * elem >= kStreamBytes;
+
   Status s;
   for (int64_t j = 0; j < steps && s.ok(); ++j) {
     const uint64_t k = step_++;  // global step number
     const int b = static_cast<int>(k % seg.buffers());
     const int64_t first = j * per_step;  // within each block
     auto len = [&](int p) { return std::clamp<int64_t>(job.counts[p] - first, 0, per_step); };
-    // Byte address of element `first` of block p in the whole-buffer layout.
-    auto at = [&](const char* base, int p) { return base + (offset[p] + first) * elem; };
-    auto out_at = [&](int p) { return job.out + (offset[p] + first) * elem; };
+    // The virtual buffer's elements of block p that this step handles.
+    auto for_each_span = [&](int p, auto&& f) { job.ForEachSpan(offset[p] + first, len(p), f); };
+    // Step 4 for block p: its result (in `from`, laid out as the sub-chunk)
+    // into the pieces' outputs, postscaled.
+    auto copy_out = [&](int p, const char* from) {
+      for_each_span(p, [&](const ShmPiece& piece, int64_t o, int64_t r, int64_t cnt) {
+        char* to = out_at(piece, o);
+        const char* src = from + r * elem;
+        if (to == src) return;
+        if (!stream) return ScaleCopy(to, src, cnt, job.dtype, piece.postscale);
+        if (piece.postscale != 1.0) {
+          // Scaled in a cache-resident scratch (the slot itself is read by peers), then streamed.
+          ScaleCopy(scratch_.data(), src, cnt, job.dtype, piece.postscale);
+          src = scratch_.data();
+        }
+        StreamCopy(to, src, cnt * elem);
+      });
+    };
 
     // 1. The buffer about to be reused has been consumed by every peer.
     if (k >= static_cast<uint64_t>(seg.buffers()))
@@ -148,41 +247,46 @@ Status ShmCollectives::Run(const Job& job) {
     const int64_t mine = len(me);
     if (job.reduce) {
       // 2. Copy-in: what each peer reduces, prescaled.
-      for (int p = 0; p < n; ++p)
-        if (p != me && len(p) > 0) ScaleCopy(seg.Slot(me, b, p), at(job.in, p), len(p), job.dtype, job.prescale);
+      for (int p = 0; p < n; ++p) {
+        if (p == me) continue;
+        char* slot = seg.Slot(me, b, p);
+        for_each_span(p, [&](const ShmPiece& piece, int64_t o, int64_t r, int64_t cnt) {
+          ScaleCopy(slot + r * elem, in_at(piece, o), cnt, job.dtype, piece.prescale);
+        });
+      }
       seg.Publish(ShmSegment::kInputs, k + 1);
       // 3. Reduce this rank's sub-chunk, reading the peers' copies where they lie.
       for (int p = 0; p < n && s.ok(); ++p)
         if (p != me) s = seg.WaitFor(p, ShmSegment::kInputs, k + 1);
       if (!s.ok()) break;
-      char* dst = job.gather ? result : job.out + first * elem;
-      if (mine > 0) {
-        const char* own = at(job.in, me);
-        if (job.prescale != 1.0) {
-          ScaleCopy(dst, own, mine, job.dtype, job.prescale);
-          own = dst;
+      char* dst = job.gather ? result : job.own_out + first * elem;
+      for_each_span(me, [&](const ShmPiece& piece, int64_t o, int64_t r, int64_t cnt) {
+        char* d = dst + r * elem;
+        const char* acc = in_at(piece, o);
+        if (piece.prescale != 1.0) {
+          ScaleCopy(d, acc, cnt, job.dtype, piece.prescale);
+          acc = d;
         }
         for (int p = 0; p < n; ++p) {
           if (p == me) continue;
-          ReduceInto(dst, own, seg.Slot(p, b, me), mine, job.dtype, job.op);
-          own = dst;
+          ReduceInto(d, acc, seg.Slot(p, b, me) + r * elem, cnt, job.dtype, job.op);
+          acc = d;
         }
-        if (job.postscale != 1.0) ScaleCopy(dst, dst, mine, job.dtype, job.postscale);
-        if (job.gather) std::memcpy(out_at(me), dst, mine * elem);
-      }
+        // Gather stages postscale on the way out (step 4), on every rank alike.
+        if (!job.gather && piece.postscale != 1.0) ScaleCopy(d, d, cnt, job.dtype, piece.postscale);
+      });
     } else if (mine > 0) {
       // Gather only: this rank's block is its contribution.
-      const char* own = job.in + first * elem;
-      std::memcpy(result, own, mine * elem);
-      if (at(job.out, me) != own) std::memcpy(out_at(me), own, mine * elem);
+      std::memcpy(result, job.own_in + first * elem, mine * elem);
     }
     if (job.gather) {
-      // 4. Copy-out: every peer's result, from where it lies.
+      // 4. Copy-out: this rank's result, then every peer's, from where it lies.
       seg.Publish(ShmSegment::kResult, k + 1);
+      copy_out(me, job.reduce ? result : job.own_in + first * elem);
       for (int p = 0; p < n && s.ok(); ++p) {
         if (p == me) continue;
         s = seg.WaitFor(p, ShmSegment::kResult, k + 1);
-        if (s.ok() && len(p) > 0) std::memcpy(out_at(p), seg.Slot(p, b, p), len(p) * elem);
+        if (s.ok()) copy_out(p, seg.Slot(p, b, p));
       }
       if (!s.ok()) break;
     }
@@ -191,6 +295,7 @@ Status ShmCollectives::Run(const Job& job) {
     seg.Publish(ShmSegment::kResult, k + 1);
     seg.Publish(ShmSegment::kConsumed, k + 1);
   }
+  if (stream) StreamFence();
   last_wait_ns_ = seg.TakeWaitNanos();
   return s;
 }

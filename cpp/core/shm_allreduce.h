@@ -2,42 +2,60 @@
 // from MPI_Win_allocate_shared, shm_segment.h): MPI provides the memory and
 // the process set, this file the reduction schedule.
 //
-// Schedule. A buffer of `count` elements is cut into one contiguous block
-// per local rank (block p: elements [offset_p, offset_p + count_p)); local
-// rank p reduces block p. Blocks are processed in pipeline steps of S
-// elements (S = segment slot, TF_MPI_SHM_CHUNK_BYTES / local size): step j
-// handles sub-chunk j of every block. In step j, rank r
+// Pieces. A collective's data is a list of pieces (ShmPiece: one tensor each,
+// with its own input, output, prescale and postscale) that together form one
+// virtual buffer, their concatenation in order. The schedule below addresses
+// that virtual buffer; every copy into or out of the segment, and the reduce,
+// goes straight to the piece the elements belong to (a step's sub-chunk may
+// span several pieces, a piece several sub-chunks and blocks). So a fused
+// bucket of many tensors costs no more copies than one tensor: no fusion
+// buffer, inputs -> segment -> reduce -> outputs.
+//
+// Schedule. The virtual buffer of `count` elements is cut into one
+// contiguous block per local rank (block p: elements [offset_p, offset_p +
+// count_p)); local rank p reduces block p. Blocks are processed in pipeline
+// steps of S elements (S = segment slot, TF_MPI_SHM_CHUNK_BYTES / local
+// size): step j handles sub-chunk j of every block. In step j, rank r
 //   1. waits until every peer has consumed what r wrote B steps ago into the
 //      buffer it is about to reuse (B buffers in a ring; peers' kConsumed);
 //   2. copy-in (reduce stages): writes sub-chunk j of every other block p of
-//      its input, prescaled, into its own slot p, then raises kInputs;
+//      its input, each piece's elements times its prescale, into its own slot
+//      p, then raises kInputs;
 //   3. reduce: once every peer's kInputs covers step j, reduces its own
 //      sub-chunk: its own input (read where it lies, in r's private memory)
 //      combined with slot r of each peer's buffer (read where it lies, in the
 //      peer's area: a single copy), in the order own input, then peers by
-//      rank; postscales in place; the result lands in r's own slot r (and in
-//      r's output); raises kResult;
-//   4. copy-out (gather stages): once peer p's kResult covers step j, copies
-//      p's slot p (p's result) into its output; then raises kConsumed.
+//      rank; the result lands in r's own slot r (or, reduce-scatter, in the
+//      caller's block, postscaled there); raises kResult;
+//   4. copy-out (gather stages): copies its own result, then, once peer p's
+//      kResult covers step j, p's slot p (p's result), into its outputs,
+//      each piece's elements times its postscale; then raises kConsumed.
+//      Every rank applies the postscale to the same unscaled bytes, so the
+//      results stay identical on every rank.
 // Steps are numbered across calls (a counter per rank, identical on every
 // rank because every rank runs the same collectives in the same order with
 // the same arguments), so nothing is reset between collectives.
 //
 // Why it is race-free. Rank r writes only its own area. Slot p (p != r) of
 // buffer b is read only by rank p in step 3 of the steps that use b; slot r
-// only by the peers in step 4. Before r overwrites buffer b in step j (b = j
-// mod B), it waits in step 1 until every peer's kConsumed reached step j-B+1,
-// i.e. every peer has finished steps 3 and 4 of step j-B, the last that used
-// b. A reader reads a slot of step j only after acquiring the owner's counter
-// for step j, which the owner released after writing it. No rank waits on a
-// step that it has not itself reached, so there is no cycle: the pipeline
-// only lets ranks run up to B steps apart.
+// only by the peers in step 4 (and by r itself, which wrote it). Before r
+// overwrites buffer b in step j (b = j mod B), it waits in step 1 until every
+// peer's kConsumed reached step j-B+1, i.e. every peer has finished steps 3
+// and 4 of step j-B, the last that used b. A reader reads a slot of step j
+// only after acquiring the owner's counter for step j, which the owner
+// released after writing it. No rank waits on a step that it has not itself
+// reached, so there is no cycle: the pipeline only lets ranks run up to B
+// steps apart. The pieces change only where each rank's private reads and
+// writes go, not what is read or written in the segment.
 //
 // Results are identical on every rank: each block is computed once, by its
-// owner, and copied byte for byte by the others. Integer sums (and Min, Max,
-// integer Product) equal the MPI path bit for bit: the same prescale code
-// (scale.h ScaleCopy), wrap-around arithmetic and postscale; floating-point
-// sums of more than two ranks may round differently from MPI's order.
+// owner, and copied (and postscaled alike) by the others. A rank writes an
+// output element only in step 4 of the step that read the same element of
+// its input (steps 2-3), so a piece may be reduced in place (in == out).
+// Integer sums (and Min, Max, integer Product) equal the MPI path bit for
+// bit: the same prescale code (scale.h ScaleCopy), wrap-around arithmetic
+// and postscale; floating-point sums of more than two ranks may round
+// differently from MPI's order.
 //
 // Stages for a hierarchical allreduce: ReduceScatter (steps 1-3, the block's
 // result lands in the caller's buffer) and Allgather (steps 1 and 4, each
@@ -57,6 +75,16 @@
 #include "types.h"
 
 namespace tfmpi {
+
+// One tensor of a shared-memory allreduce: `count` elements read from `in`
+// (times `prescale`) and written to `out` (times `postscale`); in == out
+// works in place.
+struct ShmPiece {
+  const void* in;
+  void* out;
+  int64_t count;
+  double prescale = 1.0, postscale = 1.0;
+};
 
 class ShmCollectives {
  public:
@@ -80,10 +108,10 @@ class ShmCollectives {
   // answer on every rank for the same bytes (see SetPaused).
   bool Chooses(int64_t bytes) const;
 
-  // out = op over local ranks of (prescale * in), times postscale; in == out
-  // works in place.
-  Status Allreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op, double prescale,
-                   double postscale);
+  // For every piece: out = op over local ranks of (prescale * in), times
+  // postscale. The pieces (one or many tensors of one dtype) are reduced as
+  // one buffer; every rank passes the same counts in the same order.
+  Status Allreduce(const std::vector<ShmPiece>& pieces, DataType dtype, ReduceOp op);
   // `in` holds sum(counts) elements laid out by block; `out` receives this
   // rank's block (counts[local rank] elements), reduced and scaled.
   Status ReduceScatter(const void* in, void* out, const std::vector<int64_t>& counts, DataType dtype, ReduceOp op,
@@ -104,13 +132,14 @@ class ShmCollectives {
  private:
   struct Job;
   ShmCollectives(std::unique_ptr<ShmSegment> segment, int64_t min_bytes)
-      : segment_(std::move(segment)), min_bytes_(min_bytes) {}
+      : segment_(std::move(segment)), min_bytes_(min_bytes), scratch_(segment_->slot_bytes()) {}
   Status Run(const Job& job);
 
   std::unique_ptr<ShmSegment> segment_;
   int64_t min_bytes_;
   uint64_t step_ = 0;  // pipeline steps done so far (identical on every rank)
   int64_t last_wait_ns_ = 0;
+  std::vector<char> scratch_;  // one slot: postscaled results on their way to streamed outputs
 };
 
 }  // namespace tfmpi

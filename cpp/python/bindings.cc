@@ -386,7 +386,10 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("payload_bytes_alltoall") = s.payload_bytes_by_type[3].load(),
                     py::arg("payload_bytes_reducescatter") = s.payload_bytes_by_type[4].load(),
                     // shared-memory allreduce (shm_allreduce.h)
-                    py::arg("shm_allreduces") = s.shm_allreduces.load(), py::arg("shm_bytes") = s.shm_bytes.load());
+                    py::arg("shm_allreduces") = s.shm_allreduces.load(), py::arg("shm_bytes") = s.shm_bytes.load(),
+                    // shared-memory buckets of several tensors, no fusion buffer (ShmPiece)
+                    py::arg("shm_fused_buckets") = s.shm_fused_buckets.load(),
+                    py::arg("shm_fused_pieces") = s.shm_fused_pieces.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"

@@ -135,16 +135,27 @@ def check_grouped_allreduce_mixed_dtypes_fused():
 
 def check_large_group_members_skip_the_fusion_buffer():
     # np=2 runs the defaults (fusion on, tensors >= 256 KiB reduced from their
-    # own buffers); np=3 runs with fusion off. Bucket counts show the plan.
+    # own buffers); np=3 runs with fusion off. Bucket counts show the plan of
+    # the MPI path (shared memory paused). Over shared memory a bucket costs
+    # no copies, so there the group is one bucket whenever fusion is on.
     shapes = [(256, 1024), (3,), (4, 5), (70000,)]  # 1 MiB, two small, 273 KiB
     xs = [tf.constant(values(R, s, seed=i), tf.float32) for i, s in enumerate(shapes)]
-    before = _core.stats()["allreduce_buckets"]
-    outs = hvd.grouped_allreduce(xs, op=hvd.Sum, name="direct.mix")
-    buckets = _core.stats()["allreduce_buckets"] - before
-    for i, (y, s) in enumerate(zip(outs, shapes)):
-        assert_close(y.numpy(), reference(hvd.Sum, s, seed=i), tf.float32, f"member {i}")
     fusion_on = os.environ.get("TF_MPI_FUSION_THRESHOLD") != "0"
-    assert buckets == (3 if fusion_on else 4), buckets  # 2 direct + 1 fused pair, or one each
+    for shm_paused in (True, False):
+        _core.set_shm_paused(shm_paused)  # between synchronous calls: alike on every rank
+        try:
+            before = _core.stats()
+            outs = hvd.grouped_allreduce(xs, op=hvd.Sum, name="direct.mix")
+            after = _core.stats()
+        finally:
+            _core.set_shm_paused(False)
+        buckets = after["allreduce_buckets"] - before["allreduce_buckets"]
+        for i, (y, s) in enumerate(zip(outs, shapes)):
+            assert_close(y.numpy(), reference(hvd.Sum, s, seed=i), tf.float32, f"member {i}")
+        on_shm = after["shm_allreduces"] > before["shm_allreduces"]
+        assert not (shm_paused and on_shm)
+        want = 4 if not fusion_on else 1 if on_shm else 3  # one each, all fused, or 2 direct + 1 fused pair
+        assert buckets == want, (shm_paused, on_shm, buckets)
 
 
 def check_grouped_allreduce_in_tf_function():

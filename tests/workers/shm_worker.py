@@ -174,6 +174,123 @@ def check_every_dtype_op_fused():
     assert_same_on_every_rank(results, "fused")
 
 
+def fused_counters():
+    stats = _core.stats()
+    return stats["shm_fused_buckets"], stats["shm_fused_pieces"], stats["allreduce_buckets"]
+
+
+def piece_counts(dtype):
+    """Element counts of one fused group: empty tensors, pieces shorter than, equal to
+    and longer than a pipeline step, and pieces crossing steps and the blocks' edges."""
+    per_step = SLOT // np.dtype(np_dtype(dtype)).itemsize
+    return [0, 1, per_step - 1, 3, 0, per_step + 1, 2 * per_step, 5, N * per_step + 3, 7, 0, 2]
+
+
+def check_fused_pieces_without_fusion_buffer():
+    # One grouped allreduce of tensors of mixed sizes (the large ones would
+    # skip the fusion buffer on the MPI path) is one shared-memory bucket
+    # whose tensors are read and written where they lie: equal, bit for bit
+    # for integers (and floats at np=2), to the MPI path's fusion buffer.
+    if SHM == "0":
+        raise SkipCheck("shared memory is off in this launch")
+    results = []
+    for dtype in DTYPES:
+        counts = piece_counts(dtype)
+        nonempty = sum(1 for c in counts if c)
+        for op_name, op in OPS.items():
+            scales = {"prescale_factor": 0.5, "postscale_factor": 3.0} if op_name in ("Sum", "Average") else {}
+            name = f"pieces.{dtype}.{op_name}"
+            xs = [values(R, c, dtype, seed=i) for i, c in enumerate(counts)]
+            fused0, pieces0, buckets0 = fused_counters()
+            shm, mpi, ran = on_both_paths(lambda: _core.grouped_allreduce(xs, op, name, **scales))
+            fused1, pieces1, buckets1 = fused_counters()
+            assert ran == 1, f"{name}: {ran} shared-memory buckets for one group"
+            assert (fused1 - fused0, pieces1 - pieces0) == (1, nonempty), \
+                f"{name}: {fused1 - fused0} fused buckets with {pieces1 - pieces0} pieces, want 1 with {nonempty}"
+            # The MPI path (paused) keeps its plan: tensors of 1 KiB and more go alone.
+            large = sum(1 for c in counts if c * xs[0].itemsize >= 1024)
+            assert buckets1 - buckets0 >= 1 + large, f"{name}: {buckets1 - buckets0} buckets in all"
+            for i, c in enumerate(counts):
+                assert shm[i].shape == (c,), f"{name}[{i}]: shape {shm[i].shape}"
+                if scales and not dtype.startswith(("float", "bfloat")):
+                    # Integers: prescale and postscale truncate, as on the MPI path.
+                    assert np.array_equal(bits(shm[i]), bits(mpi[i])), f"{name}[{i}]: {shm[i][:6]} vs {mpi[i][:6]}"
+                    continue
+                want = reference(op_name, c, dtype, seed=i) * (1.5 if scales else 1.0)
+                assert_matches(shm[i], mpi[i], want, dtype, f"{name}[{i}]")
+            results += list(shm)
+    assert_same_on_every_rank(results, "pieces")
+
+
+def check_large_bucket_of_odd_pieces():
+    # Over 4 MiB a collective writes its outputs with non-temporal stores
+    # (shm_allreduce.cc StreamCopy); odd piece sizes make every copy start
+    # and end off alignment. Bit for bit equal to the MPI path.
+    if SHM == "0":
+        raise SkipCheck("shared memory is off in this launch")
+    for dtype, op in (("int32", hvd.Sum), ("float32", hvd.Sum), ("float32", hvd.Average), ("int8", hvd.Max),
+                      ("float64", hvd.Min)):
+        counts = [3, (4 << 20) // np.dtype(np_dtype(dtype)).itemsize + 1, 17, 777777, 1, 300001, 0, 5]
+        xs = [values(R, c, dtype, seed=i) for i, c in enumerate(counts)]
+        op_name = {hvd.Sum: "Sum", hvd.Average: "Average", hvd.Max: "Max", hvd.Min: "Min"}[op]
+        name = f"large.{dtype}.{op_name}"
+        shm, mpi, ran = on_both_paths(lambda: _core.grouped_allreduce(xs, op, name))
+        assert ran == 1, f"{name}: {ran} shared-memory buckets"
+        assert sum(x.nbytes for x in xs) >= 4 << 20
+        for i, c in enumerate(counts):
+            assert_matches(shm[i], mpi[i], reference(op_name, c, dtype, seed=i), dtype, f"{name}[{i}]")
+        assert_same_on_every_rank(shm, name)
+
+
+def check_requests_with_different_scales_fused_in_one_bucket():
+    # Separate allreduce ops of one tf.function reach the engine together
+    # most of the time and then share a bucket although their prescale,
+    # postscale and op (Sum, Average) differ: each tensor keeps its own.
+    if SHM == "0":
+        raise SkipCheck("shared memory is off in this launch")
+    path = os.path.join(tempfile.gettempdir(), f"shm_pieces_timeline_{os.getpid()}.json")
+    path = hvd.broadcast_object(path, root_rank=0)
+    specs = [(700, hvd.Sum, 1.0, 1.0), (3 * SLOT // 4 + 1, hvd.Average, 1.0, 1.0), (5, hvd.Sum, 0.25, 1.0),
+             (SLOT // 4 * N + 9, hvd.Sum, 1.0, 2.0), (2 * SLOT, hvd.Average, 4.0, 0.5), (33, hvd.Sum, 2.0, 0.125)]
+
+    @tf.function
+    def step(k):
+        return [hvd.allreduce(tf.fill([c], tf.cast(k + R + i, tf.float32)), op=op, prescale_factor=pre,
+                              postscale_factor=post, name=f"scaled.piece.{i}")
+                for i, (c, op, pre, post) in enumerate(specs)]
+
+    def want(k, i):
+        # Sums of small integers times powers of two are exact in float32;
+        # the engine multiplies by the postscale (over N for Average) in float32.
+        c, op, pre, post = specs[i]
+        total = np.float32(sum(float(k + r + i) * pre for r in range(N)))
+        return total * np.float32(post / (N if op == hvd.Average else 1))
+
+    hvd.start_timeline(path)
+    outs_by_round = []
+    for k in range(12):
+        outs = step(tf.constant(k))
+        for i, o in enumerate(outs):
+            assert o.shape == (specs[i][0],) and np.all(o.numpy() == want(k, i)), \
+                f"round {k}, tensor {i}: {o.numpy()[:4]} want {want(k, i)}"
+        outs_by_round += [o.numpy() for o in outs]
+    hvd.stop_timeline()
+    assert_same_on_every_rank(outs_by_round, "scaled.pieces")
+    shared = 0
+    if R == 0:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        members = {}
+        for e in events:
+            if e.get("name") == "SHM_ALLREDUCE":
+                members.setdefault(e["args"]["bucket"], set()).add(tracks[e["tid"]])
+        shared = sum(1 for m in members.values() if len(m) > 1)
+    shared = hvd.broadcast_object(shared, root_rank=0)
+    if shared == 0:
+        raise SkipCheck("in 12 rounds the ops never reached the engine together (results were checked)")
+
+
 def check_switch_over_size():
     if SHM == "0" or MIN_BYTES < 8:
         raise SkipCheck("needs shared memory on and TF_MPI_SHM_MIN_BYTES >= 8")
@@ -293,6 +410,9 @@ def check_tensorflow_ops_fused_and_timeline():
     ran = shm_count() - before
     if SHM == "0":
         assert ran == 0
+        if R == 0:
+            with open(path) as f:
+                assert any(e.get("name") == "MEMCPY_IN_FUSION_BUFFER" for e in json.load(f)["traceEvents"])
         return
     assert ran >= 3, f"{ran} shared-memory buckets for 3 steps"
     if R == 0:
@@ -300,7 +420,9 @@ def check_tensorflow_ops_fused_and_timeline():
             events = json.load(f)["traceEvents"]
         shm_spans = [e for e in events if e.get("name") == "SHM_ALLREDUCE"]
         assert shm_spans and all(e["args"]["transport"] == "shm" and "wait_us" in e["args"] for e in shm_spans)
-        assert any(e.get("name") == "MEMCPY_IN_FUSION_BUFFER" for e in events)
+        # The group is one bucket of its 4 tensors, reduced without the fusion buffer.
+        assert all(e["args"]["tensors"] == len(shapes) for e in shm_spans), [e["args"] for e in shm_spans]
+        assert not any(e.get("name", "").startswith("MEMCPY_") for e in events), "fusion-buffer copies on shm"
         small = [e["args"]["bytes"] for e in events if e.get("name") == "MPI_ALLREDUCE"]
         assert all(b < MIN_BYTES for b in small), f"buckets of {small} bytes took the MPI path"
 

@@ -15,9 +15,13 @@ WORKER = "shm_worker.py"
 # and more skip the fusion buffer; allreduces below 1000 bytes keep the MPI path.
 SMALL_STEPS = {"TF_MPI_SHM_CHUNK_BYTES": "4096", "TF_MPI_SHM_MIN_BYTES": "1000", "TF_MPI_FUSION_DIRECT_BYTES": "1024",
                "TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+# The MPI-progress check needs the default pipeline and fusion settings (its own launch).
+PROGRESS = "check_stream_of_gradient_storms_keeps_mpi_progressing"
 LAUNCHES = {
-    "np2": (2, {"TF_MPI_SHM": "1", **SMALL_STEPS}),
-    "np3": (3, {"TF_MPI_SHM": "1", **SMALL_STEPS}),
+    "np2": (2, {"TF_MPI_SHM": "1", "TF_MPI_TEST_EXCEPT": PROGRESS, **SMALL_STEPS}),
+    "np3": (3, {"TF_MPI_SHM": "1", "TF_MPI_TEST_EXCEPT": PROGRESS, **SMALL_STEPS}),
+    "progress": (2, {"TF_MPI_SHM": "1", "TF_MPI_TEST_ONLY": PROGRESS, "TF_MPI_STALL_CHECK_TIME_SECONDS": "5",
+                     "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "20"}),
     "off": (2, {"TF_MPI_SHM": "0", "TF_MPI_TEST_ONLY": "check_path_taken_matches_setting,"
                 "check_stream_with_response_cache,check_tensorflow_ops_fused_and_timeline"}),
 }
@@ -33,9 +37,13 @@ def launch(key):
 
 
 @pytest.mark.parametrize("key", ["np2", "np3"])
-@pytest.mark.parametrize("check", check_names(WORKER))
+@pytest.mark.parametrize("check", [c for c in check_names(WORKER) if c != PROGRESS])
 def test_shm(key, check):
     assert_check(launch(key), LAUNCHES[key][0], check)
+
+
+def test_waiting_on_shared_memory_keeps_mpi_progressing():
+    assert_check(launch("progress"), 2, PROGRESS)
 
 
 @pytest.mark.parametrize("check", OFF_CHECKS)

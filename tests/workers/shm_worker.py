@@ -367,6 +367,28 @@ def check_join_contributes_identity():
     assert shm_count() - before == 3 * (2 + N - 1), f"{shm_count() - before} shared-memory buckets"
 
 
+def check_stream_of_gradient_storms_keeps_mpi_progressing():
+    # Rank 0 sends its decisions by MPI_Isend, and Open MPI moves a message
+    # only while its sender calls into MPI: a rank waiting on shared memory
+    # must keep MPI progressing, or its peer may never learn what to run.
+    # Without that, with the default settings (launch "progress"), a stream
+    # like this one stalled within a few hundred steps on 2 cores.
+    sizes = [int(64 * 1.37 ** (i % 24)) + i for i in range(200)]  # 64 B to ~200 KiB
+    tensors = [tf.fill([n], float(R + 1)) for n in sizes]
+    expected = N * (N + 1) / 2
+
+    @tf.function
+    def storm(ts):
+        return [hvd.allreduce(t, op=hvd.Sum, name=f"progress.{i}") for i, t in enumerate(ts)]
+
+    before = shm_count()
+    for step in range(400):
+        outs = storm(tensors)
+        bad = [i for i, o in enumerate(outs) if not np.all(o.numpy() == expected)]
+        assert not bad, f"step {step}: tensors {bad[:5]} are wrong"
+    assert shm_count() > before
+
+
 def check_many_tensors_with_long_names_in_one_function():
     # A batch this large makes rank 0's decision message long enough that MPI
     # moves it only while rank 0 calls into MPI: a rank waiting on shared

@@ -372,7 +372,7 @@ def check_stream_of_gradient_storms_keeps_mpi_progressing():
     # only while its sender calls into MPI: a rank waiting on shared memory
     # must keep MPI progressing, or its peer may never learn what to run.
     # Without that, with the default settings (launch "progress"), a stream
-    # like this one stalled within a few hundred steps on 2 cores.
+    # like this one stalled (3 runs of 3 on 2 cores; 1 of 2 with 400 steps).
     sizes = [int(64 * 1.37 ** (i % 24)) + i for i in range(200)]  # 64 B to ~200 KiB
     tensors = [tf.fill([n], float(R + 1)) for n in sizes]
     expected = N * (N + 1) / 2
@@ -382,7 +382,7 @@ def check_stream_of_gradient_storms_keeps_mpi_progressing():
         return [hvd.allreduce(t, op=hvd.Sum, name=f"progress.{i}") for i, t in enumerate(ts)]
 
     before = shm_count()
-    for step in range(400):
+    for step in range(1000):
         outs = storm(tensors)
         bad = [i for i, o in enumerate(outs) if not np.all(o.numpy() == expected)]
         assert not bad, f"step {step}: tensors {bad[:5]} are wrong"

@@ -330,14 +330,15 @@ PYBIND11_MODULE(_core, m) {
           opts.ranks = std::move(ranks);
           Status s;
           { py::gil_scoped_release release; s = E().Init(opts); }
-          Raise(s);
           // Shut the engine down (and finalise MPI if we started it) at
-          // interpreter exit, before mpi4py's own finaliser runs.
+          // interpreter exit, before mpi4py's own finaliser runs; also after
+          // a failed init(), which may have started MPI (Engine::Init).
           static bool registered = false;
           if (!registered) {
             py::module_::import("atexit").attr("register")(py::module_::import("tf_mpi._core").attr("finalize"));
             registered = true;
           }
+          Raise(s);
         }, py::arg("fortran_comm") = py::none(), py::arg("ranks") = std::vector<int>{});
   m.def("shutdown", [] { py::gil_scoped_release release; E().Shutdown(); });
   m.def("finalize", [] { py::gil_scoped_release release; Engine::Finalize(); });

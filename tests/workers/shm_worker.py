@@ -266,29 +266,37 @@ def check_requests_with_different_scales_fused_in_one_bucket():
         total = np.float32(sum(float(k + r + i) * pre for r in range(N)))
         return total * np.float32(post / (N if op == hvd.Average else 1))
 
-    hvd.start_timeline(path)
-    outs_by_round = []
-    for k in range(12):
-        outs = step(tf.constant(k))
-        for i, o in enumerate(outs):
-            assert o.shape == (specs[i][0],) and np.all(o.numpy() == want(k, i)), \
-                f"round {k}, tensor {i}: {o.numpy()[:4]} want {want(k, i)}"
-        outs_by_round += [o.numpy() for o in outs]
-    hvd.stop_timeline()
-    assert_same_on_every_rank(outs_by_round, "scaled.pieces")
-    shared = 0
-    if R == 0:
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-        members = {}
-        for e in events:
-            if e.get("name") == "SHM_ALLREDUCE":
-                members.setdefault(e["args"]["bucket"], set()).add(tracks[e["tid"]])
-        shared = sum(1 for m in members.values() if len(m) > 1)
-    shared = hvd.broadcast_object(shared, root_rank=0)
+    def shared_buckets(first_round):
+        """12 rounds under a timeline: results checked, then how many shm buckets held several ops."""
+        hvd.start_timeline(path)
+        outs_by_round = []
+        for k in range(first_round, first_round + 12):
+            outs = step(tf.constant(k))
+            for i, o in enumerate(outs):
+                assert o.shape == (specs[i][0],) and np.all(o.numpy() == want(k, i)), \
+                    f"round {k}, tensor {i}: {o.numpy()[:4]} want {want(k, i)}"
+            outs_by_round += [o.numpy() for o in outs]
+        hvd.stop_timeline()
+        assert_same_on_every_rank(outs_by_round, f"scaled.pieces.{first_round}")
+        shared = 0
+        if R == 0:
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+            tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+            members = {}
+            for e in events:
+                if e.get("name") == "SHM_ALLREDUCE":
+                    members.setdefault(e["args"]["bucket"], set()).add(tracks[e["tid"]])
+            shared = sum(1 for m in members.values() if len(m) > 1)
+        return hvd.broadcast_object(shared, root_rank=0)
+
+    # Whether the ops reach the engine together is up to timing: up to 5 tries of 12 rounds.
+    for attempt in range(5):
+        shared = shared_buckets(12 * attempt)
+        if shared:
+            break
     if shared == 0:
-        raise SkipCheck("in 12 rounds the ops never reached the engine together (results were checked)")
+        raise SkipCheck("in 60 rounds the ops never reached the engine together (results were checked)")
 
 
 def check_switch_over_size():

@@ -12,6 +12,15 @@ from tf_mpi.basics import Average, Sum
 from tf_mpi.compression import Compression
 
 
+def map_gradient(grad, fn):
+    """fn applied to a gradient's values: a tensor, a tf.IndexedSlices (its rows) or None."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
 def variable_key(variable):
     """Identity of a variable for local-variable bookkeeping: a Keras 3 Variable
     and the tf.Variable it wraps count as the same variable."""
@@ -83,12 +92,10 @@ class GradientReducer:
         self._local.add(variable_key(variable))
 
     def _scale_local(self, grad):
-        if grad is None or not self.scale_local_gradients:
+        if not self.scale_local_gradients:
             return grad
         n = basics.size()
-        if isinstance(grad, tf.IndexedSlices):
-            return tf.IndexedSlices(grad.values / tf.cast(n, grad.values.dtype), grad.indices, grad.dense_shape)
-        return grad / tf.cast(n, grad.dtype)
+        return map_gradient(grad, lambda v: v / tf.cast(n, v.dtype))
 
     def _scaling(self):
         """(op, prescale, postscale) for the grouped allreduces."""

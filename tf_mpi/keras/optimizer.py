@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tf_mpi.basics import Average
 from tf_mpi.compression import Compression
-from tf_mpi.reducer import GradientReducer
+from tf_mpi.reducer import GradientReducer, map_gradient
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -147,11 +147,7 @@ class _DistributedPlain(_DistributedMixin):
 
 
 def _times(grad, factor):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
+    return map_gradient(grad, lambda v: v * tf.cast(factor, v.dtype))
 
 
 class _DistributedLossScale(_DistributedMixin):

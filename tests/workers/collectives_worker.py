@@ -214,6 +214,8 @@ def check_timeline_records_a_known_sequence():
     # A folder that does not exist yet: the engine creates it.
     path = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "new", "dir", "trace.json") if R == 0 else None)
     hvd.start_timeline(path)
+    # Rank 0 records a peer's READY only once its timeline runs: no rank announces before that.
+    hvd.barrier()
     hvd.grouped_allreduce([tf.ones([4]), tf.ones([8]), tf.ones([2])], op=hvd.Sum, name="tl.group")
     hvd.allreduce(tf.ones([3, 3]), op=hvd.Sum, name="tl.single")
     hvd.allgather(tf.ones([R + 1]), name="tl.gather")

@@ -239,6 +239,11 @@ void Engine::Drive(std::unique_lock<std::mutex> turn, const std::atomic<bool>& f
   bool deferred = false;
   while (!p.done() && !finished.load() && !deferred) {
     const bool progressed = RunProtocol(true, &deferred);
+    // Other requests of this rank in flight: the caller is not running a
+    // chain of dependent ops but submitting many (e.g. one op per gradient).
+    // Waiting here for its own would hold the caller back from submitting the
+    // rest, one round trip per op; the background thread runs them together.
+    if (p.in_flight() > 1) break;
     const auto now = Clock::now();
     if (progressed) last_progress = now;
     else if (now - last_progress > patience) break;

@@ -50,6 +50,8 @@ class Protocol {
   bool done() const { return done_; }
   // Requests announced and not completed, or batches not executed yet.
   bool busy() const { return !in_flight_.empty() || !ready_.empty(); }
+  // Requests announced and not completed.
+  size_t in_flight() const { return in_flight_.size(); }
   bool stop_announced() const { return stop_announced_; }
   // Settings decided since the last call (kSettings), for the Engine's copy.
   std::optional<Tunables> TakeSettings() { return std::exchange(settings_, std::nullopt); }

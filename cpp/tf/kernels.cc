@@ -140,9 +140,17 @@ class CollectiveOp : public AsyncOpKernel {
         OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out), done);
         req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));
       } else if (type_ == tfmpi::CollectiveType::kBroadcast) {
-        Tensor* out = nullptr;
-        OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
-        req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));
+        if (engine.mpi().rank() == root_) {
+          // The root's result is its input: the output shares the input's
+          // buffer (tensors are immutable; MPI only reads it on the root),
+          // which saves a copy of the whole tensor.
+          ctx->set_output(i, in);
+          req->outputs.push_back(const_cast<char*>(in.tensor_data().data()));
+        } else {
+          Tensor* out = nullptr;
+          OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out), done);
+          req->outputs.push_back(const_cast<char*>(out->tensor_data().data()));
+        }
       } else if (type_ == tfmpi::CollectiveType::kReducescatter && in.dims() > 0) {
         // Rank r keeps rows [r * q + min(r, rem), ...): the first `rem` ranks get one more.
         const int n = engine.mpi().size(), r = engine.mpi().rank();

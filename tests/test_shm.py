@@ -2,7 +2,8 @@
 op, direct and fused (a bucket's tensors reduced where they lie: mixed sizes,
 empty tensors, pieces across steps and blocks, per-request scales, a bucket
 over 4 MiB), sizes around a pipeline step and the switch-over size,
-np=2 and np=3, prescale/postscale, integer wrap-around, the response cache,
+np=2 and np=3, slots written through the cache or streamed to memory,
+prescale/postscale, integer wrap-around, the response cache,
 join, TensorFlow ops and the timeline, all compared with the MPI path in the
 same process and with numpy; TF_MPI_SHM=0 keeps it off; and a rank that exits
 in the middle of a stream of shared-memory allreduces ends the job."""
@@ -25,6 +26,13 @@ LAUNCHES = {
     "off": (2, {"TF_MPI_SHM": "0", "TF_MPI_TEST_ONLY": "check_path_taken_matches_setting,"
                 "check_stream_with_response_cache,check_tensorflow_ops_fused_and_timeline"}),
 }
+# Each way of writing the slots, fixed (auto measures and uses both; the
+# large-bucket check asserts which ran).
+LARGE = "check_large_bucket_of_odd_pieces"
+SLOT_WRITES = {f"{how}_np{np}": (np, {"TF_MPI_SHM": "1", "TF_MPI_SHM_SLOT_WRITES": how, "TF_MPI_TEST_ONLY": LARGE,
+                                     **SMALL_STEPS})
+               for how, np in (("streamed", 2), ("streamed", 3), ("cached", 2))}
+LAUNCHES.update(SLOT_WRITES)
 OFF_CHECKS = LAUNCHES["off"][1]["TF_MPI_TEST_ONLY"].split(",")
 _runs = {}
 
@@ -44,6 +52,11 @@ def test_shm(key, check):
 
 def test_waiting_on_shared_memory_keeps_mpi_progressing():
     assert_check(launch("progress"), 2, PROGRESS)
+
+
+@pytest.mark.parametrize("key", sorted(SLOT_WRITES))
+def test_each_way_of_writing_slots(key):
+    assert_check(launch(key), LAUNCHES[key][0], LARGE)
 
 
 @pytest.mark.parametrize("check", OFF_CHECKS)

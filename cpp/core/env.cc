@@ -81,6 +81,11 @@ EngineConfig EngineConfig::FromEnv() {
   c.shm_min_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_SHM_MIN_BYTES", kShmMinBytesDefault));
   c.shm_chunk_bytes = EnvInt("TF_MPI_SHM_CHUNK_BYTES", kShmChunkBytesDefault);
   if (c.shm_chunk_bytes <= 0) c.shm_chunk_bytes = kShmChunkBytesDefault;
+  const char* slot_writes = std::getenv("TF_MPI_SHM_SLOT_WRITES");
+  c.shm_slot_writes = slot_writes && *slot_writes ? slot_writes : "auto";
+  if (c.shm_slot_writes != "auto" && c.shm_slot_writes != "cached" && c.shm_slot_writes != "streamed")
+    throw std::invalid_argument("tf_mpi: TF_MPI_SHM_SLOT_WRITES=" + c.shm_slot_writes +
+                                " is not auto, cached or streamed");
   return c;
 }
 
@@ -92,7 +97,8 @@ std::string EngineConfig::ToString() const {
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us
      << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes
      << " negotiation=" << (negotiation_tree ? "tree" : "star") << " " << hierarchical.ToString()
-     << " shm=" << shm << " shm_min_bytes=" << shm_min_bytes << " shm_chunk_bytes=" << shm_chunk_bytes;
+     << " shm=" << shm << " shm_min_bytes=" << shm_min_bytes << " shm_chunk_bytes=" << shm_chunk_bytes
+     << " shm_slot_writes=" << shm_slot_writes;
   return os.str();
 }
 

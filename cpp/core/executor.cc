@@ -124,13 +124,15 @@ std::string Executor::RunShm(const std::vector<Request*>& reqs, const std::vecto
   int64_t count = 0;
   for (const ShmPiece& p : pieces) count += p.count;
   stats_->shm_bytes += count * static_cast<int64_t>(DataTypeSize(dtype));
+  if (shm_->last_streamed_slots()) ++stats_->shm_streamed_slots;
   if (pieces.size() > 1) {
     ++stats_->shm_fused_buckets;
     stats_->shm_fused_pieces += static_cast<int64_t>(pieces.size());
   }
   if (!s.ok())
     for (const Request* r : reqs) failed_.emplace(r, s);
-  return ", \"transport\": \"shm\", \"wait_us\": " + std::to_string(shm_->last_wait_ns() / 1000);
+  return ", \"transport\": \"shm\", \"wait_us\": " + std::to_string(shm_->last_wait_ns() / 1000) +
+         ", \"slots\": \"" + (shm_->last_streamed_slots() ? "streamed" : "cached") + "\"";
 }
 
 void Executor::Settle(Device& dev, const std::vector<Request*>& reqs) {

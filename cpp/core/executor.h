@@ -65,6 +65,8 @@ struct ExecutorStats {
   // Shared-memory buckets of several tensors, and their tensors, reduced
   // from and into the tensors' own buffers (no fusion buffer: ShmPiece).
   std::atomic<int64_t> shm_fused_buckets{0}, shm_fused_pieces{0};
+  // Shared-memory allreduces whose slots this rank wrote with non-temporal stores (SlotWrites).
+  std::atomic<int64_t> shm_streamed_slots{0};
 };
 
 class Executor {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -113,6 +114,20 @@ struct ShmCollectives::Job {
   }
 };
 
+bool ShmCollectives::SlotWrites::Choose() {
+  if (fixed_ >= 0) return fixed_ == 1;
+  const bool best = seen_[1] && (!seen_[0] || average_[1] < average_[0]);
+  // Try each way once, then the other one every kExploreEvery-th collective.
+  if (!seen_[!best] || ++runs_ % kExploreEvery == 0) return !best;
+  return best;
+}
+
+void ShmCollectives::SlotWrites::Record(bool streamed, double ns_per_byte) {
+  double& average = average_[streamed];
+  average = seen_[streamed] ? (1 - kWeight) * average + kWeight * ns_per_byte : ns_per_byte;
+  seen_[streamed] = true;
+}
+
 void ShmCollectives::SetPaused(bool paused) { g_paused.store(paused, std::memory_order_relaxed); }
 
 bool ShmCollectives::Chooses(int64_t bytes) const {
@@ -143,6 +158,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::ForNodeStage(const MpiContext* m
   std::string why;
   auto shm = ForNode(mpi->node_comm(), settings[2], 0, config.stall_shutdown_s, &why);
   if (!shm && mpi->rank() == 0) LogWarning("the hierarchical allreduce's node stage keeps MPI: " + why);
+  if (shm) shm->SetSlotWrites(config.shm_slot_writes);
   return shm;
 }
 
@@ -169,6 +185,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, co
   if (why.empty()) shm = ForNode(mpi->node_comm(), settings[2], settings[1], config.stall_shutdown_s, &why);
   if (!shm && mode == Mode::kOn && mpi->rank() == 0)
     LogWarning("TF_MPI_SHM=1, but the shared-memory allreduce is not used: " + why);
+  if (shm) shm->SetSlotWrites(config.shm_slot_writes);
   return shm;
 }
 
@@ -211,6 +228,11 @@ Status ShmCollectives::Run(const Job& job) {
   auto out_at = [&](const ShmPiece& piece, int64_t i) { return static_cast<char*>(piece.out) + i * elem; };
 
   const bool stream = job.total() * elem >= kStreamBytes;
+  // Slots written with non-temporal stores, or through the cache (see
+  // SlotWrites); streamed slots need a store fence before each flag.
+  const bool stream_slots = stream && slot_writes_.Choose();
+  last_streamed_slots_ = stream_slots;
+  const auto started = std::chrono::steady_clock::now();
 
   Status s;
   for (int64_t j = 0; j < steps && s.ok(); ++j) {
@@ -251,15 +273,20 @@ Status ShmCollectives::Run(const Job& job) {
         if (p == me) continue;
         char* slot = seg.Slot(me, b, p);
         for_each_span(p, [&](const ShmPiece& piece, int64_t o, int64_t r, int64_t cnt) {
-          ScaleCopy(slot + r * elem, in_at(piece, o), cnt, job.dtype, piece.prescale);
+          if (stream_slots && piece.prescale == 1.0)
+            StreamCopy(slot + r * elem, in_at(piece, o), cnt * elem);
+          else
+            ScaleCopy(slot + r * elem, in_at(piece, o), cnt, job.dtype, piece.prescale);
         });
       }
+      if (stream_slots) StreamFence();
       seg.Publish(ShmSegment::kInputs, k + 1);
       // 3. Reduce this rank's sub-chunk, reading the peers' copies where they lie.
       for (int p = 0; p < n && s.ok(); ++p)
         if (p != me) s = seg.WaitFor(p, ShmSegment::kInputs, k + 1);
       if (!s.ok()) break;
-      char* dst = job.gather ? result : job.own_out + first * elem;
+      // Streamed slots: the result is made in a cached buffer and streamed to the slot below.
+      char* dst = job.gather ? (stream_slots ? result_.data() : result) : job.own_out + first * elem;
       for_each_span(me, [&](const ShmPiece& piece, int64_t o, int64_t r, int64_t cnt) {
         char* d = dst + r * elem;
         const char* acc = in_at(piece, o);
@@ -277,12 +304,23 @@ Status ShmCollectives::Run(const Job& job) {
       });
     } else if (mine > 0) {
       // Gather only: this rank's block is its contribution.
-      std::memcpy(result, job.own_in + first * elem, mine * elem);
+      if (stream_slots) {
+        StreamCopy(result, job.own_in + first * elem, mine * elem);
+        StreamFence();
+      } else {
+        std::memcpy(result, job.own_in + first * elem, mine * elem);
+      }
     }
     if (job.gather) {
       // 4. Copy-out: this rank's result, then every peer's, from where it lies.
+      const char* own = job.reduce ? result : job.own_in + first * elem;
+      if (stream_slots && job.reduce) {
+        StreamCopy(result, result_.data(), mine * elem);
+        StreamFence();
+        own = result_.data();
+      }
       seg.Publish(ShmSegment::kResult, k + 1);
-      copy_out(me, job.reduce ? result : job.own_in + first * elem);
+      copy_out(me, own);
       for (int p = 0; p < n && s.ok(); ++p) {
         if (p == me) continue;
         s = seg.WaitFor(p, ShmSegment::kResult, k + 1);
@@ -296,6 +334,10 @@ Status ShmCollectives::Run(const Job& job) {
     seg.Publish(ShmSegment::kConsumed, k + 1);
   }
   if (stream) StreamFence();
+  if (stream && s.ok()) {
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count();
+    slot_writes_.Record(stream_slots, ns / static_cast<double>(job.total() * elem));
+  }
   last_wait_ns_ = seg.TakeWaitNanos();
   return s;
 }

@@ -57,6 +57,23 @@
 // and postscale; floating-point sums of more than two ranks may round
 // differently from MPI's order.
 //
+// How a rank writes its slots (SlotWrites). Where the ranks' cores share a
+// last-level cache, a slot written through the cache is read by the peers
+// from that cache: the fastest way. Where they do not (ranks on different
+// sockets or core complexes), every line a peer reads was just written into
+// the writer's own cache and has to be fetched from there across the
+// interconnect, which measured 2.4x slower than writing the slots with
+// non-temporal stores, straight to memory, and having the peers read them
+// from there (97.6 MiB, 2 ranks; the other way round, non-temporal slots
+// were 1.5x slower with a shared cache). Which case holds is not visible
+// from inside a virtual machine, and the scheduler may move a process, so
+// each rank measures: large collectives (the ones whose outputs are streamed)
+// time themselves per byte under the way in use, every kExploreEvery-th tries
+// the other way, and the faster average wins. The choice changes only how
+// this rank's writes reach memory, not what is written or when a flag is
+// raised (a store fence orders streamed slot writes before the flag), so the
+// ranks need not agree on it.
+//
 // Stages for a hierarchical allreduce: ReduceScatter (steps 1-3, the block's
 // result lands in the caller's buffer) and Allgather (steps 1 and 4, each
 // rank contributing its block) run the same steps over the same block
@@ -98,6 +115,9 @@ class ShmCollectives {
   // arguments): nullptr and `*why` when no segment could be set up.
   static std::unique_ptr<ShmCollectives> ForNode(MPI_Comm local, int64_t chunk_bytes, int64_t min_bytes,
                                                  double stall_limit_s, std::string* why);
+  // How this rank writes its slots: "auto", "cached" or "streamed" (see above;
+  // each rank its own, the ranks need not agree).
+  void SetSlotWrites(const std::string& how) { slot_writes_.Set(how); }
   // For the node stage of the hierarchical allreduce (node_stage.h): collective
   // over mpi->comm(); rank 0's TF_MPI_SHM* settings on every rank, the same
   // rules as Create except that the job spans several (real or pretend)
@@ -122,6 +142,8 @@ class ShmCollectives {
 
   // Nanoseconds the last call waited on peers (beyond a first check).
   int64_t last_wait_ns() const { return last_wait_ns_; }
+  // Whether the last call wrote its slots with non-temporal stores (see above).
+  bool last_streamed_slots() const { return last_streamed_slots_; }
   int local_size() const { return segment_->size(); }
 
   // Testing and benchmarking hook (process-wide): while paused, Chooses()
@@ -132,13 +154,38 @@ class ShmCollectives {
  private:
   struct Job;
   ShmCollectives(std::unique_ptr<ShmSegment> segment, int64_t min_bytes)
-      : segment_(std::move(segment)), min_bytes_(min_bytes), scratch_(segment_->slot_bytes()) {}
+      : segment_(std::move(segment)),
+        min_bytes_(min_bytes),
+        result_(segment_->slot_bytes()),
+        scratch_(segment_->slot_bytes()) {}
   Status Run(const Job& job);
+
+  // The slot-write choice (see "How a rank writes its slots").
+  class SlotWrites {
+   public:
+    // "auto" (measured), "cached" or "streamed" (TF_MPI_SHM_SLOT_WRITES).
+    void Set(const std::string& how) { fixed_ = how == "cached" ? 0 : how == "streamed" ? 1 : -1; }
+    // For a large collective: true to stream this one's slots.
+    bool Choose();
+    // Its time per byte, under the way Choose() returned.
+    void Record(bool streamed, double ns_per_byte);
+
+   private:
+    static constexpr int kExploreEvery = 16;
+    static constexpr double kWeight = 0.3;  // of the newest sample in the running average
+    int fixed_ = -1;  // 0 cached, 1 streamed, -1 measured
+    int64_t runs_ = 0;
+    double average_[2] = {0, 0};  // ns per byte: cached, streamed
+    bool seen_[2] = {false, false};
+  };
 
   std::unique_ptr<ShmSegment> segment_;
   int64_t min_bytes_;
   uint64_t step_ = 0;  // pipeline steps done so far (identical on every rank)
   int64_t last_wait_ns_ = 0;
+  bool last_streamed_slots_ = false;
+  SlotWrites slot_writes_;
+  std::vector<char> result_;   // one slot: this rank's result when its slots are streamed
   std::vector<char> scratch_;  // one slot: postscaled results on their way to streamed outputs
 };
 

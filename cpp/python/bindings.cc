@@ -390,7 +390,9 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("shm_allreduces") = s.shm_allreduces.load(), py::arg("shm_bytes") = s.shm_bytes.load(),
                     // shared-memory buckets of several tensors, no fusion buffer (ShmPiece)
                     py::arg("shm_fused_buckets") = s.shm_fused_buckets.load(),
-                    py::arg("shm_fused_pieces") = s.shm_fused_pieces.load());
+                    py::arg("shm_fused_pieces") = s.shm_fused_pieces.load(),
+                    // ... and those whose slots this rank streamed to memory (SlotWrites)
+                    py::arg("shm_streamed_slots") = s.shm_streamed_slots.load());
   }, "Counters since process start: completed requests, failed requests, allreduce buckets executed,\n"
      "(rank 0) allreduces held back to be sent with later ones (TF_MPI_AUTOTUNE), GPU requests, and bytes\n"
      "the GPU transports moved: staged (device<->host copies) and direct (device memory handed to MPI);\n"
@@ -400,7 +402,8 @@ PYBIND11_MODULE(_core, m) {
      "the negotiation's own messages and bytes this rank sent and received (announcements and decisions, not\n"
      "the collectives' data); payload bytes this rank handed to MPI collectives (payload_bytes_sent, and per\n"
      "collective: allreduce and reducescatter their input, allgather this rank's rows, broadcast the root's\n"
-     "buffer, alltoall the rows sent to other ranks); allreduce buckets (and bytes) that ran over shared memory.");
+     "buffer, alltoall the rows sent to other ranks); allreduce buckets (and bytes) that ran over shared memory,\n"
+     "those fused from several tensors (and their tensors), and those whose slots this rank streamed to memory.");
   m.def("set_shm_paused", [](bool paused) { ShmCollectives::SetPaused(paused); },
         "Testing/benchmark hook: while paused, allreduces take the MPI path instead of shared memory. Call it on\n"
         "every rank at the same point with no collective in flight (e.g. after a barrier), or ranks disagree.");

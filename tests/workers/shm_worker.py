@@ -36,6 +36,7 @@ SHM = os.environ.get("TF_MPI_SHM", "auto")
 CHUNK = int(os.environ.get("TF_MPI_SHM_CHUNK_BYTES", 256 << 10))
 MIN_BYTES = int(os.environ.get("TF_MPI_SHM_MIN_BYTES", 0))
 SLOT = max(64, CHUNK // N // 64 * 64)  # bytes one block advances per pipeline step (shm_allreduce.cc)
+SLOT_WRITES = os.environ.get("TF_MPI_SHM_SLOT_WRITES", "auto")  # how this rank writes its slots
 
 DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
@@ -224,10 +225,12 @@ def check_fused_pieces_without_fusion_buffer():
 
 def check_large_bucket_of_odd_pieces():
     # Over 4 MiB a collective writes its outputs with non-temporal stores
-    # (shm_allreduce.cc StreamCopy); odd piece sizes make every copy start
-    # and end off alignment. Bit for bit equal to the MPI path.
+    # (shm_allreduce.cc StreamCopy), and its slots either way (SlotWrites:
+    # TF_MPI_SHM_SLOT_WRITES, measured when auto); odd piece sizes make every
+    # copy start and end off alignment. Bit for bit equal to the MPI path.
     if SHM == "0":
         raise SkipCheck("shared memory is off in this launch")
+    streamed_before, large_runs = _core.stats()["shm_streamed_slots"], 0
     for dtype, op in (("int32", hvd.Sum), ("float32", hvd.Sum), ("float32", hvd.Average), ("int8", hvd.Max),
                       ("float64", hvd.Min)):
         counts = [3, (4 << 20) // np.dtype(np_dtype(dtype)).itemsize + 1, 17, 777777, 1, 300001, 0, 5]
@@ -236,10 +239,16 @@ def check_large_bucket_of_odd_pieces():
         name = f"large.{dtype}.{op_name}"
         shm, mpi, ran = on_both_paths(lambda: _core.grouped_allreduce(xs, op, name))
         assert ran == 1, f"{name}: {ran} shared-memory buckets"
+        large_runs += ran
         assert sum(x.nbytes for x in xs) >= 4 << 20
         for i, c in enumerate(counts):
             assert_matches(shm[i], mpi[i], reference(op_name, c, dtype, seed=i), dtype, f"{name}[{i}]")
         assert_same_on_every_rank(shm, name)
+    streamed = _core.stats()["shm_streamed_slots"] - streamed_before
+    expected = {"streamed": large_runs, "cached": 0}.get(SLOT_WRITES)
+    if expected is not None:
+        assert streamed == expected, f"TF_MPI_SHM_SLOT_WRITES={SLOT_WRITES}: {streamed} of {large_runs} streamed"
+    assert 0 <= streamed <= large_runs, (streamed, large_runs)
 
 
 def check_requests_with_different_scales_fused_in_one_bucket():

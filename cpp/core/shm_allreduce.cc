@@ -334,11 +334,13 @@ Status ShmCollectives::Run(const Job& job) {
     seg.Publish(ShmSegment::kConsumed, k + 1);
   }
   if (stream) StreamFence();
-  if (stream && s.ok()) {
-    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count();
-    slot_writes_.Record(stream_slots, ns / static_cast<double>(job.total() * elem));
-  }
   last_wait_ns_ = seg.TakeWaitNanos();
+  if (stream && s.ok()) {
+    // This rank's own work per byte: time spent waiting on peers (mostly
+    // ranks arriving at different times) says nothing about its writes.
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count();
+    slot_writes_.Record(stream_slots, std::max(0.0, ns - last_wait_ns_) / static_cast<double>(job.total() * elem));
+  }
   return s;
 }
 

@@ -116,16 +116,35 @@ struct ShmCollectives::Job {
 
 bool ShmCollectives::SlotWrites::Choose() {
   if (fixed_ >= 0) return fixed_ == 1;
-  const bool best = seen_[1] && (!seen_[0] || average_[1] < average_[0]);
-  // Try each way once, then the other one every kExploreEvery-th collective.
-  if (!seen_[!best] || ++runs_ % kExploreEvery == 0) return !best;
-  return best;
+  if (!seen_[!current_]) return !current_;
+  if (average_[!current_] < kSwitchBelow * average_[current_]) current_ = !current_;
+  return ++runs_ % kExploreEvery == 0 ? !current_ : current_;
 }
 
 void ShmCollectives::SlotWrites::Record(bool streamed, double ns_per_byte) {
   double& average = average_[streamed];
   average = seen_[streamed] ? (1 - kWeight) * average + kWeight * ns_per_byte : ns_per_byte;
   seen_[streamed] = true;
+}
+
+Status ShmCollectives::SetSlotWrites(int how) {
+  if (how >= 0) {
+    slot_writes_.Fix(how);
+    return Status::OK();
+  }
+  // Calibration: three rounds of one allreduce each way, of a size whose
+  // outputs are streamed; every rank runs the same collectives.
+  constexpr int kRounds = 3;
+  const int64_t count = kStreamBytes / 4 * 2;
+  std::vector<float> in(count, 1.0f), out(count);
+  for (int round = 0; round < kRounds; ++round)
+    for (int streamed = 0; streamed < 2; ++streamed) {
+      slot_writes_.Fix(streamed);
+      Status s = Allreduce({{in.data(), out.data(), count}}, DataType::kFloat32, ReduceOp::kSum);
+      if (!s.ok()) return s;
+    }
+  slot_writes_.Fix(-1);
+  return Status::OK();
 }
 
 void ShmCollectives::SetPaused(bool paused) { g_paused.store(paused, std::memory_order_relaxed); }
@@ -147,9 +166,22 @@ std::unique_ptr<ShmCollectives> ShmCollectives::ForNode(MPI_Comm local, int64_t 
   return std::unique_ptr<ShmCollectives>(new ShmCollectives(std::move(segment), min_bytes));
 }
 
+std::unique_ptr<ShmCollectives> ShmCollectives::Calibrated(std::unique_ptr<ShmCollectives> shm, int slot_writes) {
+  if (!shm) return nullptr;
+  // Every rank of the node has a segment here (ShmSegment::Create agrees) and
+  // the same setting (rank 0's), so every rank runs the same calibration.
+  const Status s = shm->SetSlotWrites(slot_writes);
+  if (s.ok()) return shm;
+  // A peer failed in the middle of it: the segment reports it on every later
+  // collective as well, so keep it and let the first collective fail with the reason.
+  LogWarning("the shared-memory allreduce's calibration failed: " + s.message);
+  return shm;
+}
+
 std::unique_ptr<ShmCollectives> ShmCollectives::ForNodeStage(const MpiContext* mpi, const EngineConfig& config) {
-  int64_t settings[3] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes};
-  MPI_Bcast(settings, 3, MPI_INT64_T, 0, mpi->comm());
+  int64_t settings[4] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes,
+                         ParseSlotWrites(config.shm_slot_writes)};
+  MPI_Bcast(settings, 4, MPI_INT64_T, 0, mpi->comm());
   const Mode mode = static_cast<Mode>(settings[0]);
   // Every node has local_size() ranks (the hierarchical path needs it) and
   // the machines of a job have the same core count, so every rank decides alike.
@@ -158,14 +190,14 @@ std::unique_ptr<ShmCollectives> ShmCollectives::ForNodeStage(const MpiContext* m
   std::string why;
   auto shm = ForNode(mpi->node_comm(), settings[2], 0, config.stall_shutdown_s, &why);
   if (!shm && mpi->rank() == 0) LogWarning("the hierarchical allreduce's node stage keeps MPI: " + why);
-  if (shm) shm->SetSlotWrites(config.shm_slot_writes);
-  return shm;
+  return Calibrated(std::move(shm), static_cast<int>(settings[3]));
 }
 
 std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, const EngineConfig& config) {
   // Rank 0's settings everywhere: the choice must be the same on every rank.
-  int64_t settings[3] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes};
-  MPI_Bcast(settings, 3, MPI_INT64_T, 0, mpi->comm());
+  int64_t settings[4] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes,
+                         ParseSlotWrites(config.shm_slot_writes)};
+  MPI_Bcast(settings, 4, MPI_INT64_T, 0, mpi->comm());
   const Mode mode = static_cast<Mode>(settings[0]);
   if (mode == Mode::kOff) return nullptr;
   // Every rank sees the same sizes, so every rank returns here alike.
@@ -185,8 +217,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, co
   if (why.empty()) shm = ForNode(mpi->node_comm(), settings[2], settings[1], config.stall_shutdown_s, &why);
   if (!shm && mode == Mode::kOn && mpi->rank() == 0)
     LogWarning("TF_MPI_SHM=1, but the shared-memory allreduce is not used: " + why);
-  if (shm) shm->SetSlotWrites(config.shm_slot_writes);
-  return shm;
+  return Calibrated(std::move(shm), static_cast<int>(settings[3]));
 }
 
 Status ShmCollectives::Allreduce(const std::vector<ShmPiece>& pieces, DataType dtype, ReduceOp op) {

@@ -67,12 +67,15 @@
 // from there (97.6 MiB, 2 ranks; the other way round, non-temporal slots
 // were 1.5x slower with a shared cache). Which case holds is not visible
 // from inside a virtual machine, and the scheduler may move a process, so
-// each rank measures: large collectives (the ones whose outputs are streamed)
-// time themselves per byte under the way in use, every kExploreEvery-th tries
-// the other way, and the faster average wins. The choice changes only how
-// this rank's writes reach memory, not what is written or when a flag is
-// raised (a store fence orders streamed slot writes before the flag), so the
-// ranks need not agree on it.
+// each rank measures: at creation, a few calibration allreduces time each
+// way; afterwards large collectives (the ones whose outputs are streamed)
+// time this rank's own work per byte under the way in use, every
+// kExploreEvery-th tries the other way, and the way in use changes only when
+// the other one's average is clearly lower (kSwitchBelow), so that
+// collectives keep a steady speed (the overlap probe compares timings). The
+// choice changes only how this rank's writes reach memory, not what is
+// written or when a flag is raised (a store fence orders streamed slot
+// writes before the flag), so the ranks need not agree on it.
 //
 // Stages for a hierarchical allreduce: ReduceScatter (steps 1-3, the block's
 // result lands in the caller's buffer) and Allgather (steps 1 and 4, each
@@ -115,9 +118,12 @@ class ShmCollectives {
   // arguments): nullptr and `*why` when no segment could be set up.
   static std::unique_ptr<ShmCollectives> ForNode(MPI_Comm local, int64_t chunk_bytes, int64_t min_bytes,
                                                  double stall_limit_s, std::string* why);
-  // How this rank writes its slots: "auto", "cached" or "streamed" (see above;
-  // each rank its own, the ranks need not agree).
-  void SetSlotWrites(const std::string& how) { slot_writes_.Set(how); }
+  // How this rank writes its slots (see above): -1 measured (runs the
+  // calibration: collective, with the same value on every rank), 0 cached,
+  // 1 streamed.
+  Status SetSlotWrites(int how);
+  // TF_MPI_SHM_SLOT_WRITES as SetSlotWrites() takes it.
+  static int ParseSlotWrites(const std::string& how) { return how == "cached" ? 0 : how == "streamed" ? 1 : -1; }
   // For the node stage of the hierarchical allreduce (node_stage.h): collective
   // over mpi->comm(); rank 0's TF_MPI_SHM* settings on every rank, the same
   // rules as Create except that the job spans several (real or pretend)
@@ -153,6 +159,8 @@ class ShmCollectives {
 
  private:
   struct Job;
+  // `shm` with its slot writes set (SetSlotWrites); collective when `shm` is set.
+  static std::unique_ptr<ShmCollectives> Calibrated(std::unique_ptr<ShmCollectives> shm, int slot_writes);
   ShmCollectives(std::unique_ptr<ShmSegment> segment, int64_t min_bytes)
       : segment_(std::move(segment)),
         min_bytes_(min_bytes),
@@ -163,8 +171,8 @@ class ShmCollectives {
   // The slot-write choice (see "How a rank writes its slots").
   class SlotWrites {
    public:
-    // "auto" (measured), "cached" or "streamed" (TF_MPI_SHM_SLOT_WRITES).
-    void Set(const std::string& how) { fixed_ = how == "cached" ? 0 : how == "streamed" ? 1 : -1; }
+    // -1 measured, 0 cached, 1 streamed (SetSlotWrites).
+    void Fix(int how) { fixed_ = how; }
     // For a large collective: true to stream this one's slots.
     bool Choose();
     // Its time per byte, under the way Choose() returned.
@@ -172,8 +180,10 @@ class ShmCollectives {
 
    private:
     static constexpr int kExploreEvery = 16;
-    static constexpr double kWeight = 0.3;  // of the newest sample in the running average
-    int fixed_ = -1;  // 0 cached, 1 streamed, -1 measured
+    static constexpr double kSwitchBelow = 0.85;  // the other way's average, relative to the current one
+    static constexpr double kWeight = 0.5;        // of the newest sample in the running average
+    int fixed_ = -1;
+    bool current_ = false;  // the way in use when measured
     int64_t runs_ = 0;
     double average_[2] = {0, 0};  // ns per byte: cached, streamed
     bool seen_[2] = {false, false};

@@ -114,17 +114,26 @@ struct ShmCollectives::Job {
   }
 };
 
-bool ShmCollectives::SlotWrites::Choose() {
-  if (fixed_ >= 0) return fixed_ == 1;
-  if (!seen_[!current_]) return !current_;
-  if (average_[!current_] < kSwitchBelow * average_[current_]) current_ = !current_;
-  return ++runs_ % kExploreEvery == 0 ? !current_ : current_;
+int ShmCollectives::SlotWrites::ClassOf(int64_t bytes) {
+  int c = 0;
+  for (int64_t b = kStreamBytes * 2; b <= bytes && c + 1 < kClasses; b *= 2) ++c;
+  return c;
 }
 
-void ShmCollectives::SlotWrites::Record(bool streamed, double ns_per_byte) {
-  double& average = average_[streamed];
-  average = seen_[streamed] ? (1 - kWeight) * average + kWeight * ns_per_byte : ns_per_byte;
-  seen_[streamed] = true;
+bool ShmCollectives::SlotWrites::Choose(int64_t bytes) {
+  if (fixed_ >= 0) return fixed_ == 1;
+  SizeClass& k = classes_[ClassOf(bytes)];
+  if (k.samples[0] < 2 || k.samples[1] < 2) return k.samples[1] < k.samples[0];
+  if (k.average[!k.current] < kSwitchBelow * k.average[k.current]) k.current = !k.current;
+  return ++k.runs % kExploreEvery == 0 ? !k.current : k.current;
+}
+
+void ShmCollectives::SlotWrites::Record(int64_t bytes, bool streamed, double ns_per_byte) {
+  SizeClass& k = classes_[ClassOf(bytes)];
+  const int n = k.samples[streamed]++;
+  double& average = k.average[streamed];
+  if (n == 1) average = ns_per_byte;  // the first sample (n == 0) is a warm-up
+  else if (n > 1) average = (1 - kWeight) * average + kWeight * ns_per_byte;
 }
 
 Status ShmCollectives::SetSlotWrites(int how) {
@@ -132,8 +141,9 @@ Status ShmCollectives::SetSlotWrites(int how) {
     slot_writes_.Fix(how);
     return Status::OK();
   }
-  // Calibration: three rounds of one allreduce each way, of a size whose
-  // outputs are streamed; every rank runs the same collectives.
+  // Calibration: three rounds of one allreduce each way (each way's first is
+  // its warm-up), of a size whose outputs are streamed; every rank runs the
+  // same collectives.
   constexpr int kRounds = 3;
   const int64_t count = kStreamBytes / 4 * 2;
   std::vector<float> in(count, 1.0f), out(count);
@@ -261,9 +271,10 @@ Status ShmCollectives::Run(const Job& job) {
   const bool stream = job.total() * elem >= kStreamBytes;
   // Slots written with non-temporal stores, or through the cache (see
   // SlotWrites); streamed slots need a store fence before each flag.
-  const bool stream_slots = stream && slot_writes_.Choose();
+  const bool stream_slots = stream && slot_writes_.Choose(job.total() * elem);
   last_streamed_slots_ = stream_slots;
   const auto started = std::chrono::steady_clock::now();
+  int64_t arrival_wait_ns = 0;  // waited in the first step: ranks arriving at different times
 
   Status s;
   for (int64_t j = 0; j < steps && s.ok(); ++j) {
@@ -363,14 +374,16 @@ Status ShmCollectives::Run(const Job& job) {
     seg.Publish(ShmSegment::kInputs, k + 1);
     seg.Publish(ShmSegment::kResult, k + 1);
     seg.Publish(ShmSegment::kConsumed, k + 1);
+    if (j == 0) arrival_wait_ns = seg.TakeWaitNanos();
   }
   if (stream) StreamFence();
-  last_wait_ns_ = seg.TakeWaitNanos();
+  last_wait_ns_ = arrival_wait_ns + seg.TakeWaitNanos();
   if (stream && s.ok()) {
-    // This rank's own work per byte: time spent waiting on peers (mostly
-    // ranks arriving at different times) says nothing about its writes.
+    // Time per byte after the first step: waits in the first step are mostly
+    // ranks arriving at different times, later ones part of the pipeline's cost.
     const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count();
-    slot_writes_.Record(stream_slots, std::max(0.0, ns - last_wait_ns_) / static_cast<double>(job.total() * elem));
+    slot_writes_.Record(job.total() * elem, stream_slots,
+                        std::max(0.0, ns - arrival_wait_ns) / static_cast<double>(job.total() * elem));
   }
   return s;
 }

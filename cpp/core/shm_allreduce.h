@@ -66,13 +66,17 @@
 // non-temporal stores, straight to memory, and having the peers read them
 // from there (97.6 MiB, 2 ranks; the other way round, non-temporal slots
 // were 1.5x slower with a shared cache). Which case holds is not visible
-// from inside a virtual machine, and the scheduler may move a process, so
-// each rank measures: at creation, a few calibration allreduces time each
-// way; afterwards large collectives (the ones whose outputs are streamed)
-// time this rank's own work per byte under the way in use, every
-// kExploreEvery-th tries the other way, and the way in use changes only when
-// the other one's average is clearly lower (kSwitchBelow), so that
-// collectives keep a steady speed (the overlap probe compares timings). The
+// from inside a virtual machine, and the scheduler may move a process, and
+// the answer also depends on the size (whether the data still fits in a
+// cache), so each rank measures, per size class (a power of two): large
+// collectives (the ones whose outputs are streamed) time themselves per byte
+// after the first pipeline step (earlier waits are mostly ranks arriving at
+// different times); a class first alternates the two ways until each has
+// two samples (a way's first sample is dropped: fresh buffers and cold
+// caches), then uses the faster, tries the other every kExploreEvery-th
+// collective, and changes only when the other one's average is clearly lower
+// (kSwitchBelow), so that collectives keep a steady speed (the overlap probe
+// compares timings). A few calibration allreduces at creation fill one class. The
 // choice changes only how this rank's writes reach memory, not what is
 // written or when a flag is raised (a store fence orders streamed slot
 // writes before the flag), so the ranks need not agree on it.
@@ -173,20 +177,25 @@ class ShmCollectives {
    public:
     // -1 measured, 0 cached, 1 streamed (SetSlotWrites).
     void Fix(int how) { fixed_ = how; }
-    // For a large collective: true to stream this one's slots.
-    bool Choose();
+    // For a large collective of `bytes`: true to stream its slots.
+    bool Choose(int64_t bytes);
     // Its time per byte, under the way Choose() returned.
-    void Record(bool streamed, double ns_per_byte);
+    void Record(int64_t bytes, bool streamed, double ns_per_byte);
 
    private:
     static constexpr int kExploreEvery = 16;
     static constexpr double kSwitchBelow = 0.85;  // the other way's average, relative to the current one
     static constexpr double kWeight = 0.5;        // of the newest sample in the running average
+    static constexpr int kClasses = 8;            // 4 MiB, 8 MiB, ..., 512 MiB and more
+    struct SizeClass {
+      bool current = false;  // the way in use
+      int64_t runs = 0;
+      int samples[2] = {0, 0};      // cached, streamed
+      double average[2] = {0, 0};   // ns per byte, from each way's second sample on
+    };
+    static int ClassOf(int64_t bytes);
     int fixed_ = -1;
-    bool current_ = false;  // the way in use when measured
-    int64_t runs_ = 0;
-    double average_[2] = {0, 0};  // ns per byte: cached, streamed
-    bool seen_[2] = {false, false};
+    SizeClass classes_[kClasses];
   };
 
   std::unique_ptr<ShmSegment> segment_;

@@ -35,7 +35,7 @@ struct EngineConfig {
   std::string shm;                 // TF_MPI_SHM: auto (when it pays), 1 (whenever possible), 0 (never)
   int64_t shm_min_bytes;           // TF_MPI_SHM_MIN_BYTES: smaller allreduces keep the MPI path (auto and 1)
   int64_t shm_chunk_bytes;         // TF_MPI_SHM_CHUNK_BYTES: bytes of a buffer one pipeline step reduces
-  std::string shm_slot_writes;     // TF_MPI_SHM_SLOT_WRITES: auto (measured), cached or streamed; this rank's own
+  std::string shm_slot_writes;     // TF_MPI_SHM_SLOT_WRITES: auto (measured), cached or streamed; rank 0's applies
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

@@ -62,6 +62,21 @@ void StreamFence() {
 
 Mode ParseMode(const std::string& s) { return s == "0" ? Mode::kOff : s == "1" ? Mode::kOn : Mode::kAuto; }
 
+// The TF_MPI_SHM* settings as rank 0 has them, on every rank (collective over
+// mpi->comm()): every rank must choose alike.
+struct Settings {
+  Mode mode;
+  int64_t min_bytes, chunk_bytes;
+  int slot_writes;  // as ShmCollectives::SetSlotWrites takes it
+};
+
+Settings RankZeroSettings(const MpiContext* mpi, const EngineConfig& config, int slot_writes) {
+  int64_t v[4] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes,
+                  slot_writes};
+  MPI_Bcast(v, 4, MPI_INT64_T, 0, mpi->comm());
+  return {static_cast<Mode>(v[0]), v[1], v[2], static_cast<int>(v[3])};
+}
+
 // `count` elements cut into `n` blocks that differ by at most one element.
 std::vector<int64_t> EvenBlocks(int64_t count, int n) {
   std::vector<int64_t> counts(n);
@@ -189,26 +204,22 @@ std::unique_ptr<ShmCollectives> ShmCollectives::Calibrated(std::unique_ptr<ShmCo
 }
 
 std::unique_ptr<ShmCollectives> ShmCollectives::ForNodeStage(const MpiContext* mpi, const EngineConfig& config) {
-  int64_t settings[4] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes,
-                         ParseSlotWrites(config.shm_slot_writes)};
-  MPI_Bcast(settings, 4, MPI_INT64_T, 0, mpi->comm());
-  const Mode mode = static_cast<Mode>(settings[0]);
+  const Settings settings = RankZeroSettings(mpi, config, ParseSlotWrites(config.shm_slot_writes));
+  const Mode mode = settings.mode;
   // Every node has local_size() ranks (the hierarchical path needs it) and
   // the machines of a job have the same core count, so every rank decides alike.
   if (mode == Mode::kOff || mpi->local_size() < 2) return nullptr;
   if (mode == Mode::kAuto && mpi->local_size() > sysconf(_SC_NPROCESSORS_ONLN)) return nullptr;
   std::string why;
-  auto shm = ForNode(mpi->node_comm(), settings[2], 0, config.stall_shutdown_s, &why);
+  auto shm = ForNode(mpi->node_comm(), settings.chunk_bytes, 0, config.stall_shutdown_s, &why);
   if (!shm && mpi->rank() == 0) LogWarning("the hierarchical allreduce's node stage keeps MPI: " + why);
-  return Calibrated(std::move(shm), static_cast<int>(settings[3]));
+  return Calibrated(std::move(shm), settings.slot_writes);
 }
 
 std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, const EngineConfig& config) {
   // Rank 0's settings everywhere: the choice must be the same on every rank.
-  int64_t settings[4] = {static_cast<int64_t>(ParseMode(config.shm)), config.shm_min_bytes, config.shm_chunk_bytes,
-                         ParseSlotWrites(config.shm_slot_writes)};
-  MPI_Bcast(settings, 4, MPI_INT64_T, 0, mpi->comm());
-  const Mode mode = static_cast<Mode>(settings[0]);
+  const Settings settings = RankZeroSettings(mpi, config, ParseSlotWrites(config.shm_slot_writes));
+  const Mode mode = settings.mode;
   if (mode == Mode::kOff) return nullptr;
   // Every rank sees the same sizes, so every rank returns here alike.
   std::string why;
@@ -224,10 +235,10 @@ std::unique_ptr<ShmCollectives> ShmCollectives::Create(const MpiContext* mpi, co
     why = std::to_string(mpi->local_size()) + " ranks share " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) +
           " cores (TF_MPI_SHM=1 uses shared memory anyway)";
   std::unique_ptr<ShmCollectives> shm;
-  if (why.empty()) shm = ForNode(mpi->node_comm(), settings[2], settings[1], config.stall_shutdown_s, &why);
+  if (why.empty()) shm = ForNode(mpi->node_comm(), settings.chunk_bytes, settings.min_bytes, config.stall_shutdown_s, &why);
   if (!shm && mode == Mode::kOn && mpi->rank() == 0)
     LogWarning("TF_MPI_SHM=1, but the shared-memory allreduce is not used: " + why);
-  return Calibrated(std::move(shm), static_cast<int>(settings[3]));
+  return Calibrated(std::move(shm), settings.slot_writes);
 }
 
 Status ShmCollectives::Allreduce(const std::vector<ShmPiece>& pieces, DataType dtype, ReduceOp op) {

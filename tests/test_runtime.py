@@ -9,9 +9,11 @@ _runs = {}
 
 
 def launch(scenario, np=2, env=None, timeout=180):
-    if scenario not in _runs:
-        _runs[scenario] = run_mpi(np, WORKER, timeout=timeout, env=env, args=[scenario])
-    return _runs[scenario]
+    """One launch per scenario and environment, shared by the tests that check it."""
+    key = (scenario, tuple(sorted((env or {}).items())))
+    if key not in _runs:
+        _runs[key] = run_mpi(np, WORKER, timeout=timeout, env=env, args=[scenario])
+    return _runs[key]
 
 
 def clean(run):
@@ -52,11 +54,20 @@ def tuned_run(scenario, env, check):
     return run
 
 
-def test_autotune_switches_settings_on_every_rank_at_once():
-    run = tuned_run("autotune", {"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1"},
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_autotune_switches_settings_on_every_rank_at_once(shm):
+    run = tuned_run("autotune", {"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1", "TF_MPI_SHM": shm},
                     "check_autotune_changes_settings_identically_and_results_stay_exact")
-    # Rank 0 logs every candidate's step time and its choice.
-    assert run.output.count(": median step ") >= 12 and "chosen: fusion_threshold=" in run.output, run.describe()
+    # Rank 0 logs every candidate's step time and its choice: 5 direct_bytes
+    # values, 4 fusion thresholds, 3 MPI chunk sizes. Over shared memory no
+    # tensor can skip a fusion buffer, so direct_bytes is left alone.
+    skipped = "direct_bytes: not tuned (every host allreduce goes over shared memory"
+    timed = run.output.count(": median step ")
+    if shm == "0":
+        assert timed >= 12 and skipped not in run.output, run.describe()
+    else:
+        assert timed == 7 and skipped in run.output, run.describe()
+    assert "chosen: fusion_threshold=" in run.output, run.describe()
     # Each step's second allreduce is submitted only after the first returned
     # (eager), so holding the first back for the second cannot work: the
     # holdback gives up after its time limit instead of hanging.

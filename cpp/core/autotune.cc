@@ -97,8 +97,10 @@ std::string TuneSetting::RunsString() const {
   return os.str();
 }
 
-Autotuner::Autotuner(const Tunables& start, int64_t steps_per_candidate, AutotuneScope scope)
-    : steps_per_candidate_(steps_per_candidate), last_stage_(scope == AutotuneScope::kAll ? 3 : kMergeStage) {
+Autotuner::Autotuner(const Tunables& start, int64_t steps_per_candidate, AutotuneScope scope, bool tune_direct_bytes)
+    : steps_per_candidate_(steps_per_candidate),
+      last_stage_(scope == AutotuneScope::kAll ? 3 : kMergeStage),
+      tune_direct_bytes_(tune_direct_bytes) {
   best_.tunables = start;
 }
 
@@ -204,6 +206,10 @@ std::optional<TuneSetting> Autotuner::NextStage() {
       for (Holdback::Runs& runs : MergeCandidates(recorded_[1])) candidates_.push_back({best_.tunables, runs});
       candidates_.front().runs.clear();  // every allreduce alone is the same as holding nothing
       rounds = kMergeRounds;
+    } else if (stage_ == 1 && !tune_direct_bytes_) {
+      report_.push_back("direct_bytes: not tuned (every host allreduce goes over shared memory, without a fusion "
+                        "buffer to skip)");
+      continue;
     } else {
       for (int64_t v : SizeValues(stage_, best_.tunables))
         candidates_.push_back({WithSize(best_.tunables, stage_, v), best_.runs});

@@ -13,7 +13,8 @@
 //      which the allreduces were decided in a recorded step (the same set in
 //      two steps in a row): each as it comes (the framework's grouping plan),
 //      all in one, and merges between.
-//   1-3. (TF_MPI_AUTOTUNE=1 only) which tensors skip the fusion buffer, the
+//   1-3. (TF_MPI_AUTOTUNE=1 only) which tensors skip the fusion buffer (not
+//      where that cannot matter: every host allreduce over shared memory), the
 //      fusion threshold, the MPI chunk size.
 // Each visit of a candidate has one settling step and then timed steps; a
 // candidate's score is the median of its timed steps. The merge stage visits
@@ -51,7 +52,8 @@ struct TuneSetting {
 class Autotuner {
  public:
   using Clock = std::chrono::steady_clock;
-  Autotuner(const Tunables& start, int64_t steps_per_candidate, AutotuneScope scope);
+  // `tune_direct_bytes`: false skips stage 1 (Executor::direct_bytes_inert).
+  Autotuner(const Tunables& start, int64_t steps_per_candidate, AutotuneScope scope, bool tune_direct_bytes);
 
   // Rank 0 calls this for every collective it sends, in order. `may_hold`:
   // an allreduce the holdback could hold (Holdback::MayHold). Returns the
@@ -85,6 +87,7 @@ class Autotuner {
 
   int64_t steps_per_candidate_;
   int last_stage_;
+  bool tune_direct_bytes_;
   std::unordered_set<std::string> known_;          // every name decided so far (until tuning begins)
   std::unordered_map<std::string, int64_t> seen_;  // decisions per name since counting (re)started
   int64_t step_ = 0;                               // steps begun so far

@@ -84,6 +84,11 @@ class Executor {
   // not have (a protocol error: the caller must abort rather than hang).
   bool Run(const std::vector<Decision>& decisions, InFlight* in_flight, ResponseCache* cache);
   const Tunables& tunables() const { return tunables_; }
+  // Whether Tunables::direct_bytes can change nothing: every host allreduce
+  // goes over shared memory, which reduces tensors where they lie (no fusion
+  // buffer to skip), and GPU tensors never skip it. The autotuner then leaves
+  // that setting alone.
+  bool direct_bytes_inert() const { return shm_ && shm_->Chooses(0); }
 
 
  private:

@@ -50,7 +50,8 @@ Protocol::Protocol(const MpiContext* mpi, const EngineConfig& config, const GpuT
   if (rank_ == 0)
     coord_ = std::make_unique<Coordinator>(size_, &cache_, config.stall_check_s, config.stall_shutdown_s, timeline);
   if (rank_ == 0 && config.autotune != AutotuneScope::kOff)
-    tuner_ = std::make_unique<Autotuner>(config.tunables, config.autotune_steps, config.autotune);
+    tuner_ = std::make_unique<Autotuner>(config.tunables, config.autotune_steps, config.autotune,
+                                         !executor_.direct_bytes_inert());
   departed_.assign(size_, false);
   if (rank_ != 0) truncate_announcement_ = EnvInt("TF_MPI_FAULT_TRUNCATE_ANNOUNCEMENT", 0);
 }

@@ -135,20 +135,39 @@ int ShmCollectives::SlotWrites::ClassOf(int64_t bytes) {
   return c;
 }
 
+double ShmCollectives::SlotWrites::SizeClass::Score(int w) const {
+  const int64_t kept = std::clamp<int64_t>(samples[w] - 1, 1, kRecent);
+  return *std::min_element(recent[w], recent[w] + kept);
+}
+
 bool ShmCollectives::SlotWrites::Choose(int64_t bytes) {
   if (fixed_ >= 0) return fixed_ == 1;
   SizeClass& k = classes_[ClassOf(bytes)];
   if (k.samples[0] < 2 || k.samples[1] < 2) return k.samples[1] < k.samples[0];
-  if (k.average[!k.current] < kSwitchBelow * k.average[k.current]) k.current = !k.current;
-  return ++k.runs % kExploreEvery == 0 ? !k.current : k.current;
+  if (k.Score(!k.current) < kSwitchBelow * k.Score(k.current)) {
+    k.current = !k.current;
+    k.explore_every = kExploreFirst;
+    k.since_explore = 0;
+  }
+  if (++k.since_explore < k.explore_every) return k.current;
+  k.since_explore = 0;
+  return !k.current;
 }
 
 void ShmCollectives::SlotWrites::Record(int64_t bytes, bool streamed, double ns_per_byte) {
   SizeClass& k = classes_[ClassOf(bytes)];
-  const int n = k.samples[streamed]++;
-  double& average = k.average[streamed];
-  if (n == 1) average = ns_per_byte;  // the first sample (n == 0) is a warm-up
-  else if (n > 1) average = (1 - kWeight) * average + kWeight * ns_per_byte;
+  const int64_t n = k.samples[streamed]++;
+  if (n == 0) return;  // a way's first sample is a warm-up
+  if (k.samples[0] >= 2 && k.samples[1] >= 2) {  // both ways scored: the class is past its first comparisons
+    if (streamed != k.current) {
+      // A try of the other way that does not beat the way in use: try less often.
+      if (ns_per_byte >= kSwitchBelow * k.Score(k.current))
+        k.explore_every = std::min(2 * k.explore_every, kExploreMost);
+    } else if (ns_per_byte > kDrift * k.Score(k.current)) {
+      k.explore_every = kExploreFirst;
+    }
+  }
+  k.recent[streamed][(n - 1) % kRecent] = ns_per_byte;
 }
 
 Status ShmCollectives::SetSlotWrites(int how) {

@@ -73,11 +73,20 @@
 // after the first pipeline step (earlier waits are mostly ranks arriving at
 // different times); a class first alternates the two ways until each has
 // two samples (a way's first sample is dropped: fresh buffers and cold
-// caches), then uses the faster, tries the other every kExploreEvery-th
-// collective, and changes only when the other one's average is clearly lower
-// (kSwitchBelow), so that collectives keep a steady speed (the overlap probe
-// compares timings). A few calibration allreduces at creation fill one class. The
-// choice changes only how this rank's writes reach memory, not what is
+// caches), then uses the faster and tries the other now and then, changing
+// only when the other one's score is clearly lower (kSwitchBelow), so that
+// collectives keep a steady speed (the overlap probe compares timings).
+// A way's score is the best of its last kRecent samples: what happens around
+// a collective (cold outputs, other work on the core) only ever slows it,
+// and an average kept such a slow sample for long (in a training job's first
+// steps every collective is cold, and a class tried once in 16 collectives
+// forgot a cold 4x sample only after dozens). A try of the other way costs
+// what the two differ by (3x without a shared cache), so the interval
+// between tries doubles, from kExploreFirst up to kExploreMost collectives,
+// each time a try confirms the way in use, and starts over after a change
+// or when the way in use runs clearly slower than its score (kDrift: the
+// layout may have changed). A few calibration allreduces at creation fill
+// one class. The choice changes only how this rank's writes reach memory, not what is
 // written or when a flag is raised (a store fence orders streamed slot
 // writes before the flag), so the ranks need not agree on it.
 //
@@ -183,15 +192,20 @@ class ShmCollectives {
     void Record(int64_t bytes, bool streamed, double ns_per_byte);
 
    private:
-    static constexpr int kExploreEvery = 16;
-    static constexpr double kSwitchBelow = 0.85;  // the other way's average, relative to the current one
-    static constexpr double kWeight = 0.5;        // of the newest sample in the running average
+    static constexpr int64_t kExploreFirst = 16;   // collectives between tries of the other way, at first
+    static constexpr int64_t kExploreMost = 256;   // ... and at most
+    static constexpr double kSwitchBelow = 0.85;  // the other way's score, relative to the current one's
+    static constexpr double kDrift = 1.5;         // a sample of the way in use this much above its score
+    static constexpr int kRecent = 3;             // samples a way's score is the best of
     static constexpr int kClasses = 8;            // 4 MiB, 8 MiB, ..., 512 MiB and more
     struct SizeClass {
       bool current = false;  // the way in use
-      int64_t runs = 0;
-      int samples[2] = {0, 0};      // cached, streamed
-      double average[2] = {0, 0};   // ns per byte, from each way's second sample on
+      int64_t explore_every = kExploreFirst;
+      int64_t since_explore = 0;       // collectives since the other way was last tried
+      int64_t samples[2] = {0, 0};     // taken so far: cached, streamed
+      double recent[2][kRecent] = {};  // ns per byte, each way's last kept samples (a ring)
+      // The best of way `w`'s last kRecent kept samples (its first is a warm-up).
+      double Score(int w) const;
     };
     static int ClassOf(int64_t bytes);
     int fixed_ = -1;

@@ -76,7 +76,7 @@ def make_step(model, loss_fn, mode, ratio):
         # One group: the same collectives per step in every mode; Embedding gradients densified
         # (top-k densifies them anyway), so "none" is the dense allreduce top-k is measured against.
         tape = hvd.DistributedGradientTape(tape, compression=compression, sparse_as_dense=True,
-                                           num_groups=1, name=f"bench.{mode}")
+                                           groups=1, name=f"bench.{mode}")
         opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
     return step

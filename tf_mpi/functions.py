@@ -2,6 +2,10 @@
 
 Python objects are serialized with cloudpickle. Unpickling runs code chosen by
 the sender: use these helpers only among the ranks of one trusted job.
+
+The object helpers talk to the engine directly (numpy buffers, no TensorFlow
+op), so they work the same eagerly and in a TF1 graph; Horovod's ``session``
+argument, the Session its graph-mode ops run in, is accepted and not needed.
 """
 import io
 
@@ -10,6 +14,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_mpi import basics
+from tf_mpi._compat import warn_unused_argument
+from tf_mpi.basics import _check_process_set
 from tf_mpi.ops import grouped_broadcast
 
 
@@ -34,17 +40,25 @@ def _assign_broadcast(variables, root_rank, name):
     return [v.assign(value) for v, value in zip(variables, values)]
 
 
-def broadcast_variables(variables, root_rank, name=None):
+def broadcast_variables(variables, root_rank, process_set=None, inplace=False, *, name=None):
     """Assigns root_rank's values to `variables` on every rank (one collective).
 
     As in Horovod, eagerly this assigns at once and returns None; in graph
     mode (a TF1 Session, or inside ``tf.function``) it returns the op that
-    does it.
+    does it. ``process_set`` is Horovod's (only the global set, ``None``);
+    ``inplace=True`` gives the same result (Horovod's in-place variant saves
+    a temporary copy; tf_mpi always broadcasts into one, and warns once).
+    ``name`` (keyword only, a tf_mpi addition) names the collective.
 
     Example::
 
         hvd.broadcast_variables(model.variables, root_rank=0)
     """
+    _check_process_set(process_set, "broadcast_variables")
+    if inplace:
+        warn_unused_argument("broadcast_variables", "inplace",
+                             "tf_mpi broadcasts into a temporary and assigns it; the variables get root_rank's "
+                             "values either way")
     variables = list(variables)
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
@@ -54,17 +68,19 @@ def broadcast_variables(variables, root_rank, name=None):
     return tf.group(*[_as_op(a) for a in assigned])
 
 
-def broadcast_(variables, root_rank, name=None):
+def broadcast_(variables, root_rank, name=None, process_set=None):
     """In-place broadcast (Horovod's ``hvd.broadcast_``): assigns root_rank's values to
     ``variables`` and returns those values (tensors, one per variable).
 
     Works eagerly, inside ``tf.function`` and in a TF1 graph (resource and
-    ref variables), for every dtype the collectives support.
+    ref variables), for every dtype the collectives support. ``process_set``:
+    only the global set (``None``).
 
     Example::
 
         values = hvd.broadcast_([w, b], root_rank=0)   # w and b now hold rank 0's values
     """
+    _check_process_set(process_set, "broadcast_")
     variables = list(variables)
     if not variables:
         return []
@@ -99,24 +115,36 @@ def _dumps(obj):
     return np.frombuffer(buf.getvalue(), np.uint8)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None):
     """Returns root_rank's `obj` on every rank (any picklable Python object).
+
+    As in Horovod, root_rank gets `obj` itself back, the others an unpickled
+    copy. ``session`` (Horovod's TF1 Session) is accepted and not needed:
+    the object goes through the engine directly, eagerly or in a graph.
+    ``process_set``: only the global set (``None``).
 
     Example::
 
         config = hvd.broadcast_object(config if hvd.rank() == 0 else None, root_rank=0)
     """
+    _check_process_set(process_set, "broadcast_object")
     name = name or "tfmpi.broadcast_object"
-    payload = _dumps(obj) if basics.rank() == root_rank else np.zeros(0, np.uint8)
-    length = basics._core.broadcast(np.array([payload.size], np.int64), root_rank, name + ".len")
-    if basics.rank() != root_rank:
-        payload = np.zeros(int(length[0]), np.uint8)
-    data = basics._core.broadcast(payload, root_rank, name + ".data")
+    if basics.rank() == root_rank:
+        payload = _dumps(obj)
+        basics._core.broadcast(np.array([payload.size], np.int64), root_rank, name + ".len")
+        basics._core.broadcast(payload, root_rank, name + ".data")
+        return obj
+    length = basics._core.broadcast(np.zeros(1, np.int64), root_rank, name + ".len")
+    data = basics._core.broadcast(np.zeros(int(length[0]), np.uint8), root_rank, name + ".data")
     return cloudpickle.loads(data.tobytes())
 
 
-def broadcast_object_fn(root_rank=0, name=None):
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
     """Decorator: run the function on root_rank only and broadcast its result.
+
+    Parameters as Horovod's ``broadcast_object_fn`` (``session`` is not needed,
+    see ``broadcast_object``), but it decorates a function: Horovod's returns a
+    function that broadcasts the object it is given.
 
     Example::
 
@@ -124,21 +152,27 @@ def broadcast_object_fn(root_rank=0, name=None):
         def read_vocabulary():
             return open("vocab.txt").read().split()
     """
+    _check_process_set(process_set, "broadcast_object_fn")
+
     def decorator(fn):
         def wrapped(*args, **kwargs):
             result = fn(*args, **kwargs) if basics.rank() == root_rank else None
-            return broadcast_object(result, root_rank, name or f"tfmpi.broadcast_object_fn.{fn.__name__}")
+            return broadcast_object(result, root_rank, name=name or f"tfmpi.broadcast_object_fn.{fn.__name__}")
         return wrapped
     return decorator
 
 
-def allgather_object(obj, name=None):
-    """Returns the list of every rank's `obj`, in rank order.
+def allgather_object(obj, session=None, name=None, process_set=None):
+    """Returns the list of every rank's `obj`, in rank order (unpickled copies, this rank's too).
+
+    ``session`` (Horovod's TF1 Session) is accepted and not needed, as for
+    ``broadcast_object``; ``process_set``: only the global set (``None``).
 
     Example::
 
         counts = hvd.allgather_object(len(my_shard))   # [n0, n1, ...]
     """
+    _check_process_set(process_set, "allgather_object")
     name = name or "tfmpi.allgather_object"
     payload = _dumps(obj)
     lengths = basics._core.allgather(np.array([payload.size], np.int64), name + ".len")

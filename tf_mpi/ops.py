@@ -1,17 +1,20 @@
 """TensorFlow collectives backed by the tf_mpi engine (custom C++ ops).
 
-Every function works in eager mode and inside ``tf.function``. Collectives are
-matched across ranks by name: give concurrent collectives distinct names (the
-default, the op's node name inside a graph, is unique per graph).
+Every function works in eager mode, inside ``tf.function`` and in a TF1 graph.
+Collectives are matched across ranks by name: give concurrent collectives
+distinct names (the default, the op's node name inside a graph, is unique per
+graph). The signatures are Horovod's (names, order and defaults of
+``horovod.tensorflow`` 0.28.1); ``process_set`` accepts only the global set
+(``None``, the default), as tf_mpi has no process sets.
 """
 import contextlib
 import os
-import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from tf_mpi import basics
-from tf_mpi.basics import Average, Sum, Min, Max, Product, Adasum
+from tf_mpi.basics import Average, Sum, Min, Max, Product, Adasum, ReduceOp, _check_process_set
 from tf_mpi.compression import Compression
 
 _lib = tf.load_op_library(os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtfmpi_tf.so"))
@@ -51,8 +54,10 @@ _VALID_OPS = (Average, Sum, Min, Max, Product, Adasum)
 
 
 def _check_op(op):
-    if op not in _VALID_OPS:
-        raise ValueError(f"tf_mpi: op must be one of Average, Sum, Min, Max, Product, Adasum; got {op!r}")
+    # A bool is an int (True == Sum): refuse it rather than reduce with the op it happens to equal.
+    if isinstance(op, bool) or op not in _VALID_OPS:
+        raise ValueError(f"tf_mpi: op must be one of Average, Sum, Min, Max, Product, Adasum; got {op!r} "
+                         "(the deprecated flag is average=True / False)")
     if op == Adasum:
         raise NotImplementedError("tf_mpi: the Adasum reduction is not implemented yet; use op=Average or op=Sum")
 
@@ -79,20 +84,25 @@ def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=N
 
 
 def _resolve_op(op, average):
-    """Horovod's rule for the deprecated ``average`` flag: it maps to Average / Sum,
-    and passing it together with ``op`` is an error. A bool given as ``op`` is
-    Horovod's second positional parameter, ``average``."""
-    if isinstance(op, bool):
-        if average is not None:
-            raise ValueError("tf_mpi: the op parameter supersedes average; pass only one of them")
-        op, average = None, op
-    if op is not None and average is not None:
-        raise ValueError("tf_mpi: the op parameter supersedes average; pass only one of them")
-    if average is not None:
-        warnings.warn("tf_mpi: the `average` parameter is deprecated (as in Horovod); use op=hvd.Average or "
-                      "op=hvd.Sum", DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op
+    """The op of an allreduce: Horovod's rule for its deprecated ``average`` flag (second
+    parameter), except that a ReduceOp there is tf_mpi's earlier ``allreduce(x, hvd.Sum)``
+    (op second), kept working. Horovod would read it as a truthy or falsy ``average``; no
+    Horovod script relies on that, as its Average is 0 and its Sum 1."""
+    if isinstance(average, ReduceOp):
+        if op is not None:
+            raise ValueError("tf_mpi: the op is given twice (second positional argument and op=)")
+        op, average = average, None
+    return basics._resolve_average(op, average, stacklevel=4)
+
+
+def _op_in_device_slot(device_dense, op):
+    """reducescatter's second parameter is Horovod's ``device_dense``; a ReduceOp there is
+    tf_mpi's earlier ``reducescatter(x, hvd.Sum)`` (op second). Returns (device_dense, op)."""
+    if isinstance(device_dense, ReduceOp):
+        if op not in (Average, device_dense):
+            raise ValueError("tf_mpi: the op is given twice (second positional argument and op=)")
+        return "", device_dense
+    return device_dense, op
 
 
 def _on_device(device):
@@ -100,10 +110,12 @@ def _on_device(device):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
-def allreduce(tensor, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-              compression=Compression.none, average=None, device_dense="", device_sparse="",
-              ignore_name_scope=False):
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None, ignore_name_scope=False):
     """Reduces ``tensor`` over all ranks; every rank gets the result.
+
+    The parameters are Horovod's, in Horovod's order; tf_mpi's earlier
+    ``allreduce(x, hvd.Sum)`` (a reduce op in second place) still means ``op``.
 
     Args:
       tensor: a ``tf.Tensor`` (uint8, int8, uint16, int16, int32, int64,
@@ -111,15 +123,16 @@ def allreduce(tensor, op=None, name=None, prescale_factor=1.0, postscale_factor=
         values and indices are allgathered, as Horovod does; op must be
         Average or Sum, and Average divides the values by size() with true
         division, so integer values come back as floats).
-      op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        Integer averages are truncated toward zero.
-      name: matches this collective across ranks; defaults to the op's name.
-      prescale_factor / postscale_factor: multiply before / after the reduction.
-      compression: ``Compression.none`` or ``Compression.fp16``.
       average: deprecated Horovod flag; ``True`` means ``op=Average``, ``False``
         ``op=Sum`` (an error together with ``op``).
       device_dense / device_sparse: devices for dense / IndexedSlices inputs
         (Horovod's arguments; '' leaves placement to TensorFlow).
+      compression: ``Compression.none`` or ``Compression.fp16``.
+      op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        Integer averages are truncated toward zero.
+      prescale_factor / postscale_factor: multiply before / after the reduction.
+      name: matches this collective across ranks; defaults to the op's name.
+      process_set: ``None`` (all ranks); tf_mpi has no other process sets.
       ignore_name_scope: accepted for Horovod compatibility (``name`` is used as given).
 
     Example::
@@ -130,6 +143,7 @@ def allreduce(tensor, op=None, name=None, prescale_factor=1.0, postscale_factor=
     """
     op = _resolve_op(op, average)
     _check_op(op)
+    _check_process_set(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         with _on_device(device_sparse):
             return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
@@ -163,13 +177,14 @@ def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_facto
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def grouped_allreduce(tensors, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                      compression=Compression.none, average=None, device_dense="", device_sparse="",
-                      ignore_name_scope=False):
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None, ignore_name_scope=False,
+                      name=None):
     """Reduces a list of tensors as one unit: negotiated together, fused per
     dtype, completed together. Dtypes may be mixed (Horovod needs one dtype).
 
-    Arguments are those of ``allreduce``; IndexedSlices members are
+    Arguments are those of ``allreduce`` (in Horovod's order for
+    ``grouped_allreduce``: ``name`` last); IndexedSlices members are
     allgathered, dense members reduced together.
 
     Example::
@@ -178,6 +193,7 @@ def grouped_allreduce(tensors, op=None, name=None, prescale_factor=1.0, postscal
     """
     op = _resolve_op(op, average)
     _check_op(op)
+    _check_process_set(process_set, "grouped_allreduce")
     tensors = list(tensors)
     if not tensors:
         return []
@@ -200,35 +216,39 @@ def grouped_allreduce(tensors, op=None, name=None, prescale_factor=1.0, postscal
     return out
 
 
-def allgather(tensor, name=None, ignore_name_scope=False):
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
     """Concatenates each rank's ``tensor`` along dimension 0 (which may differ per rank).
 
     Example::
 
         hvd.allgather(tf.fill([hvd.rank() + 1], hvd.rank()))  # 2 ranks: [0, 1, 1]
     """
+    _check_process_set(process_set, "allgather")
     _check_not_xla()
     return _lib.tf_mpi_allgather([tf.convert_to_tensor(tensor)], tensor_name=_name(name))[0]
 
 
-def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
     """Returns root_rank's ``tensor`` on every rank.
 
     Example::
 
         w = hvd.broadcast(w, root_rank=0)
     """
+    _check_process_set(process_set, "broadcast")
     _check_not_xla()
     return _lib.tf_mpi_broadcast([tf.convert_to_tensor(tensor)], root_rank=root_rank, tensor_name=_name(name))[0]
 
 
-def grouped_broadcast(tensors, root_rank, name=None):
-    """Broadcasts a list of tensors (any dtypes) from root_rank as one collective.
+def grouped_broadcast(tensors, root_rank, name=None, ignore_name_scope=False, process_set=None):
+    """Broadcasts a list of tensors (any dtypes) from root_rank as one collective
+    (a tf_mpi addition; its parameters are those of ``broadcast``).
 
     Example::
 
         values = hvd.grouped_broadcast([w.value() for w in model.weights], root_rank=0)
     """
+    _check_process_set(process_set, "grouped_broadcast")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
@@ -236,14 +256,15 @@ def grouped_broadcast(tensors, root_rank, name=None):
     return _lib.tf_mpi_broadcast(tensors, root_rank=root_rank, tensor_name=_name(name))
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=None):
     """Sends ``splits[j]`` rows of ``tensor`` (in order) to rank j and returns what the others sent here.
 
     As in Horovod, the result is the received tensor alone when ``splits`` is
     None (dim 0 is then divided equally and must divide evenly), and the pair
     ``(received, received_splits)`` when ``splits`` is given. ``received``
     concatenates what each rank sent to this one, in rank order;
-    ``received_splits[j]`` is the number of rows that came from rank j.
+    ``received_splits[j]`` (int32, as Horovod's) is the number of rows that
+    came from rank j.
 
     Example::
 
@@ -252,6 +273,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
         # rank 0: [0, 0, 1, 1], counts [2, 2];  rank 1: [10, 11], counts [1, 1]
         same = hvd.alltoall(tf.constant([r, r]))  # equal split, tensor only: [0, 1] on both ranks
     """
+    _check_process_set(process_set, "alltoall")
     _check_not_xla()
     if splits is None:
         splits_t = tf.zeros([0], tf.int64)
@@ -261,33 +283,42 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
             raise ValueError(f"tf_mpi: alltoall splits must be integers, got {splits_t.dtype.name}")
         splits_t = tf.cast(splits_t, tf.int64)
     out, received = _lib.tf_mpi_alltoall(tf.convert_to_tensor(tensor), splits_t, tensor_name=_name(name))
-    return out if splits is None else (out, received)
+    # The kernel counts rows in int64; Horovod's op outputs int32 received splits.
+    return out if splits is None else (out, tf.cast(received, tf.int32))
 
 
-def reducescatter(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                  compression=Compression.none, device_dense="", ignore_name_scope=False):
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None, process_set=None,
+                  ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0):
     """Reduces ``tensor`` over ranks and gives each rank a slice of the result along dim 0.
 
     Rank r gets rows [r*q + min(r, m), ...) of q = rows // size, the first m = rows % size ranks
-    one row more. ``op`` is Average or Sum.
+    one row more. ``op`` is Average or Sum. The parameters are Horovod's, in Horovod's order;
+    tf_mpi's earlier ``reducescatter(x, hvd.Sum)`` (a reduce op in second place) still means ``op``.
 
     Example::
 
         part = hvd.reducescatter(tf.ones([4, 2]), op=hvd.Sum)  # 2 ranks: a [2, 2] tensor of 2.0 each
     """
-    return grouped_reducescatter([tensor], op, name, prescale_factor, postscale_factor, compression,
-                                 device_dense)[0]
+    device_dense, op = _op_in_device_slot(device_dense, op)
+    _check_process_set(process_set, "reducescatter")
+    return grouped_reducescatter([tensor], device_dense=device_dense, compression=compression, op=op,
+                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor, name=name)[0]
 
 
-def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                          compression=Compression.none, device_dense=""):
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, process_set=None,
+                          prescale_factor=1.0, postscale_factor=1.0, name=None):
     """reducescatter of several tensors (dtypes may differ) negotiated as one unit.
+
+    Horovod's parameters in Horovod's order, then tf_mpi's ``name`` (Horovod's
+    ``grouped_reducescatter`` has none).
 
     Example::
 
         a, b = hvd.grouped_reducescatter([tf.ones([4, 2]), tf.ones([2])], op=hvd.Sum)
     """
-    if op not in (Average, Sum):
+    device_dense, op = _op_in_device_slot(device_dense, op)
+    _check_process_set(process_set, "grouped_reducescatter")
+    if isinstance(op, bool) or op not in (Average, Sum):
         raise ValueError("tf_mpi: reducescatter supports op=Average or op=Sum")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
@@ -300,18 +331,67 @@ def grouped_reducescatter(tensors, op=Average, name=None, prescale_factor=1.0, p
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
-def grouped_allgather(tensors, name=None):
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=None):
     """allgather of several tensors negotiated as one unit.
 
     Example::
 
         a, b = hvd.grouped_allgather([tf.ones([hvd.rank() + 1, 2]), tf.zeros([1])])
     """
+    _check_process_set(process_set, "grouped_allgather")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
     _check_not_xla()
     return _lib.tf_mpi_allgather(tensors, tensor_name=_name(name))
+
+
+def join():
+    """Waits until every rank has called join(), meanwhile standing in for this
+    rank in the others' collectives: zeros into their allreduces (Average then
+    divides by the ranks that contributed) and no rows into their allgathers.
+    Returns the last rank to join, as an int32 scalar tensor (Horovod's op).
+
+    Use it when ranks have different numbers of batches, so that the ranks
+    with more data do not wait forever for the ones that ran out. It is an op:
+    it waits each time it runs, eagerly, inside ``tf.function`` (every call of
+    the function) and in a TF1 graph (every ``Session.run`` that fetches it).
+    Inside ``tf.function`` it runs after the collectives written before it.
+
+    Example::
+
+        for batch in my_shard:          # shards of different lengths
+            train_step(batch)
+        last = int(hvd.join())
+    """
+    _check_not_xla()
+    # A numpy_function runs _join_now when the op runs: eagerly in the caller's thread, in a graph
+    # on one of TensorFlow's threads. The binding releases the GIL while the engine's join waits,
+    # so this process's other Python threads and TensorFlow's kernels go on, and the engine's own
+    # thread keeps serving the other ranks' collectives.
+    if tf.executing_eagerly():
+        return tf.numpy_function(_join_now, [], tf.int32, stateful=True, name="TfMpiJoin")
+    # In a graph, a TfMpiSize op runs first: it fails with FailedPreconditionError before init(),
+    # as Horovod's join op does (an exception of _join_now would reach the caller as UnknownError).
+    before = [_lib.tf_mpi_size()]
+    graph = tf.compat.v1.get_default_graph()
+    if getattr(graph, "building_function", False):
+        # tf.function runs its stateful ops in program order, except our collectives (they run in
+        # dependency order, see above). A join that overtook a collective written before it would
+        # leave that collective to be matched after the other ranks had completed it without this
+        # one; Horovod's join runs in program order, so it waits for them.
+        before += [op for op in graph.get_operations() if op.type in _ORDER_FREE_OPS]
+    with tf.control_dependencies(before):
+        last = tf.numpy_function(_join_now, [], tf.int32, stateful=True, name="TfMpiJoin")
+    last.set_shape([])
+    return last
+
+
+def _join_now():
+    if not basics.is_initialized():  # the error class a collective raises before init()
+        raise tf.errors.FailedPreconditionError(None, None,
+                                                "tf_mpi has not been initialized; call tf_mpi.init() first")
+    return np.int32(basics._core.join())
 
 
 def rank_op(name=None):
@@ -322,12 +402,46 @@ def rank_op(name=None):
     return _lib.tf_mpi_rank(name=name)
 
 
-def size_op(name=None):
-    """Number of ranks as an int32 scalar op.
+# Horovod's value for a process set id it does not know (HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET);
+# tf_mpi knows one set, the global one, id 0.
+_UNKNOWN_PROCESS_SET = -3
+
+
+def _for_process_set(process_set_id, global_value, name):
+    """``global_value`` (an int32 op) for the global set, Horovod's unknown-set code for any other id.
+    The unknown-set value is computed from ``global_value`` so that it, too, fails at run time
+    before ``init()`` (FailedPreconditionError), as Horovod's op does."""
+    if process_set_id == 0:
+        return tf.identity(global_value, name=name) if name else global_value
+    return tf.add(tf.zeros_like(global_value), _UNKNOWN_PROCESS_SET, name=name)
+
+
+def size_op(process_set_id=0, name=None):
+    """Number of ranks as an int32 scalar op, evaluated when the graph runs.
+
+    ``process_set_id`` is Horovod's: 0 is the global set (all ranks); tf_mpi
+    has no other, and answers Horovod's unknown-set code -3 for any other id.
 
     Example: ``mean = hvd.allreduce(x, op=hvd.Sum) / tf.cast(hvd.size_op(), x.dtype)``
     """
-    return _lib.tf_mpi_size(name=name)
+    if isinstance(process_set_id, str):  # tf_mpi's earlier size_op(name): ids are ints, so no clash
+        process_set_id, name = 0, process_set_id
+    if process_set_id == 0:
+        return _lib.tf_mpi_size(name=name)
+    return _for_process_set(process_set_id, _lib.tf_mpi_size(), name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1 if this rank belongs to process set ``process_set_id``, as an int32 scalar op.
+
+    As Horovod's: 1 for the global set (id 0); Horovod's unknown-set code -3 for
+    any other id (tf_mpi has no other process sets); a FailedPreconditionError
+    when run before ``init()``.
+
+    Example: ``included = hvd.process_set_included_op()  # 1 on every rank``
+    """
+    # tf_mpi_size runs only for its init check: every rank belongs to the global set.
+    return _for_process_set(process_set_id, tf.ones_like(_lib.tf_mpi_size()), name)
 
 
 def local_rank_op(name=None):
@@ -347,22 +461,19 @@ def local_size_op(name=None):
 
 
 # ---- gradients: reduce the incoming gradient the way the forward op reduced its input.
+# As Horovod defines it for every op: for Min, Max and Product too, the upstream gradient is
+# reduced with the forward op (not the derivative of a min / max / product; Horovod's choice).
 
 @tf.RegisterGradient("TfMpiAllreduce")
 def _allreduce_grad(op, grad):
-    reduce_op = op.get_attr("reduce_op")
-    if reduce_op not in (Average, Sum):
-        raise NotImplementedError("tf_mpi: gradients are defined for allreduce with op=Average or op=Sum only")
-    return _allreduce(grad, reduce_op, op.get_attr("prescale_factor"), op.get_attr("postscale_factor"))
+    return _allreduce(grad, op.get_attr("reduce_op"), op.get_attr("prescale_factor"),
+                      op.get_attr("postscale_factor"))
 
 
 @tf.RegisterGradient("TfMpiGroupedAllreduce")
 def _grouped_allreduce_grad(op, *grads):
-    reduce_op = op.get_attr("reduce_op")
-    if reduce_op not in (Average, Sum):
-        raise NotImplementedError("tf_mpi: gradients are defined for allreduce with op=Average or op=Sum only")
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
-    return _lib.tf_mpi_grouped_allreduce(grads, reduce_op=reduce_op,
+    return _lib.tf_mpi_grouped_allreduce(grads, reduce_op=op.get_attr("reduce_op"),
                                          prescale_factor=op.get_attr("prescale_factor"),
                                          postscale_factor=op.get_attr("postscale_factor"))
 

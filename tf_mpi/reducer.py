@@ -3,13 +3,20 @@
 Shared by the Keras DistributedOptimizer and DistributedGradientTape, so both
 group, compress and average the same way.
 """
+import numbers
 import os
+import warnings
 
 import tensorflow as tf
 
 from tf_mpi import backprop_order, basics, grouping, ops, sparse as sparse_gradients
-from tf_mpi.basics import Average, Sum
+from tf_mpi.basics import Adasum, Average, Max, Min, Product, Sum
 from tf_mpi.compression import Compression
+
+# Reductions a gradient reducer passes to the allreduce (Horovod's tape takes any op).
+GRADIENT_OPS = (Average, Sum, Min, Max, Product)
+# The attribute DistributedGradientTape sets on the gradients it returns (see mark_reduced).
+_REDUCED_MARK = "_tfmpi_reduced"
 
 
 def map_gradient(grad, fn):
@@ -28,12 +35,67 @@ def variable_key(variable):
     return id(inner) if isinstance(inner, tf.Variable) else id(variable)
 
 
+def check_groups(num_groups, groups, stacklevel=3):
+    """Horovod's rules for ``num_groups`` / ``groups``; returns the effective ``groups``.
+
+    ``num_groups != 0`` warns (DeprecationWarning: Horovod replaced it by
+    ``groups``) and stands for ``groups`` when that is None; ``groups`` must be
+    None, a list of lists of variables, or an integer > 0 (that many groups),
+    else ValueError. `stacklevel` points the warning at the user's call.
+
+    Example: ``check_groups(0, 4)`` is 4; ``check_groups(0, 0)`` raises ValueError
+    """
+    if num_groups != 0:
+        warnings.warn("tf_mpi: `num_groups` is deprecated (as in Horovod, which replaced it by `groups`); "
+                      "pass groups=<number of groups> instead", DeprecationWarning, stacklevel=stacklevel)
+        if groups is None:
+            groups = num_groups
+    if groups is None or isinstance(groups, (list, tuple)):
+        return groups
+    if not isinstance(groups, numbers.Integral) or groups <= 0:
+        raise ValueError(f"tf_mpi: groups must be a positive integer or a list of lists of variables; got {groups!r}")
+    return int(groups)
+
+
+def check_process_set(process_set, function):
+    """Horovod's ``process_set`` parameter, kept for its position: only the global set (all ranks) is
+    supported, given as None or as a set whose ``process_set_id`` is 0 (Horovod's
+    ``global_process_set``); any other raises NotImplementedError.
+
+    Example: ``check_process_set(None, "DistributedGradientTape")`` returns None
+    """
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return
+    raise NotImplementedError(f"tf_mpi: {function}(process_set=...) supports only the global process set (all "
+                              "ranks); to run on a subset of ranks, start tf_mpi on it with init(comm=...)")
+
+
+def mark_reduced(grad):
+    """Marks a gradient returned by DistributedGradientTape, so that a DistributedOptimizer given it
+    does not reduce it again (Horovod's optimizer reduces only in compute_gradients, never in
+    apply_gradients). The mark is an attribute of that tensor object: any new tensor computed from
+    it (clipping, scaling, a copy) is unmarked."""
+    if grad is not None:
+        try:
+            setattr(grad, _REDUCED_MARK, True)
+        except AttributeError:  # a tensor type without instance attributes: stays unmarked
+            pass
+    return grad
+
+
+def is_reduced(grad):
+    """Whether `grad` is a gradient object returned by DistributedGradientTape (see mark_reduced)."""
+    return grad is not None and getattr(grad, _REDUCED_MARK, False) is True
+
+
 class GradientReducer:
     """Averages (or sums) gradients over ranks in groups that follow backprop order.
 
     Args:
       name: prefix of the collectives' names (must be equal on all ranks).
-      op: Average or Sum.
+      op: Average, Sum, Min, Max or Product (passed to the allreduce; Min, Max and
+        Product only with Horovod's sparse modes "allgather" / "dense" and without
+        top-k compression, whose error feedback sums).
       compression: Compression.none, Compression.fp16, or Compression.topk(ratio) /
         Compression.gtopk(ratio) (sparsified with error feedback; IndexedSlices
         gradients are densified first).
@@ -44,7 +106,8 @@ class GradientReducer:
         sparse_as_dense, else tf_mpi.sparse.DEFAULT_MODE.
       gradient_predivide_factor: with op=Average, divide by this before the sum
         and by size/factor after it (splits the averaging to avoid overflow).
-      num_groups, groups, threshold_bytes: see tf_mpi.grouping.make_plan.
+      num_groups, groups, threshold_bytes: see tf_mpi.grouping.make_plan; an integer
+        ``groups`` is Horovod's number of groups (``num_groups``).
       order_backprop: make backprop finish each group's gradients before it
         starts on the layers below (tf_mpi.backprop_order); None: the
         TF_MPI_ORDER_BACKPROP environment variable (default off).
@@ -65,17 +128,27 @@ class GradientReducer:
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
                  order_backprop=None, scale_local_gradients=True, device_dense="", device_sparse="",
                  sparse=None):
-        if op not in (Average, Sum):
-            raise ValueError("tf_mpi: gradients can be reduced with op=Average or op=Sum")
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average")
+        if op == Adasum:
+            raise NotImplementedError("tf_mpi: the Adasum reduction is not implemented yet; use op=Average or op=Sum")
+        if op not in GRADIENT_OPS:
+            raise ValueError(f"tf_mpi: gradients are reduced with op=Average, Sum, Min, Max or Product; got {op!r}")
         if compression in (Compression.topk, Compression.gtopk):
             raise ValueError("tf_mpi: Compression.topk / Compression.gtopk take the ratio of entries to send, "
                              "e.g. compression=Compression.topk(0.01)")
         self.name, self.op, self.compression = name, op, compression
         self.sparse = sparse_gradients.resolve_mode(sparse, sparse_as_dense)
         self.sparse_as_dense = self.sparse == "dense"
+        if op not in (Average, Sum):
+            # tf_mpi's own sparse modes and top-k's error feedback are built on sums.
+            if self.sparse not in ("allgather", "dense"):
+                raise ValueError(f"tf_mpi: sparse={self.sparse!r} reduces with op=Average or op=Sum only")
+            if getattr(compression, "sparsifies", False):
+                raise ValueError("tf_mpi: top-k compression reduces with op=Average or op=Sum only")
+        # As in Horovod's gradient reduction, the factor only splits an Average (other ops ignore it;
+        # the public entry points that refuse it for op != Average say so themselves).
         self.gradient_predivide_factor = gradient_predivide_factor
+        if isinstance(groups, numbers.Integral):  # Horovod's integer groups: that many groups
+            num_groups, groups = int(groups), None
         self.num_groups, self.groups, self.threshold_bytes = num_groups, groups, threshold_bytes
         if order_backprop is None:
             order_backprop = os.environ.get("TF_MPI_ORDER_BACKPROP", "0") == "1"

@@ -13,7 +13,7 @@ mixed_float16. Each measurement is its own launch:
            mpirun_command directly), hvd.DistributedOptimizer and
            BroadcastGlobalVariablesCallback(0), with gradient grouping
              graph       the default plan (backprop order, cut when bandwidth-bound, byte bound),
-             one         num_groups=1 (all dense gradients in one fused allreduce),
+             one         groups=1 (all dense gradients in one fused allreduce),
              per-tensor  one group per variable and TF_MPI_FUSION_THRESHOLD=0
                          (the engine fuses nothing: one MPI allreduce per tensor),
            and an Embedding's sparse gradient densified before its allreduce

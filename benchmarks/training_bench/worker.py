@@ -83,7 +83,7 @@ def grouping_options(grouping, model):
     if grouping == "graph":
         return {}
     if grouping == "one":
-        return {"num_groups": 1}
+        return {"groups": 1}
     if grouping == "per-tensor":
         return {"groups": [[v] for v in model.trainable_variables]}
     raise ValueError(f"unknown grouping {grouping!r}")

@@ -205,7 +205,7 @@ def check_byte_counters_show_the_reduction():
         def run():
             with tf.GradientTape() as tape:
                 loss = sum(tf.reduce_sum(v * d) for v, d in zip(variables, data))
-            tape = hvd.DistributedGradientTape(tape, compression=compression, name=f"bytes.{tag}", num_groups=1)
+            tape = hvd.DistributedGradientTape(tape, compression=compression, name=f"bytes.{tag}", groups=1)
             return tape.gradient(loss, variables)
         run()  # the first call also checks the grouping plan across ranks
         before = _core.stats()
@@ -256,7 +256,7 @@ def check_keras_fit_leaves_identical_weights():
         model = _dense_model(R)  # different initial weights: the callback broadcasts rank 0's
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
                                        compression=getattr(hvd.Compression, kind)(0.01), name=f"fit.{kind}",
-                                       num_groups=1)
+                                       groups=1)
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
         x, y = _batches(6)
         model.fit(x.reshape(-1, 20), y.reshape(-1, 1), batch_size=16, epochs=2, verbose=0, shuffle=False,
@@ -279,7 +279,7 @@ def check_keras_mixed_float16_loss_scale_with_topk():
         compression = hvd.Compression.topk(0.05)
         # 2^20 overflows float16 gradients: the first steps are skipped and the scale halves.
         lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 20)
-        opt = hvd.DistributedOptimizer(lso, compression=compression, name="fit.lso", num_groups=1)
+        opt = hvd.DistributedOptimizer(lso, compression=compression, name="fit.lso", groups=1)
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
         before = [w.numpy().copy() for w in model.trainable_weights]
         x, y = _batches(6)
@@ -314,7 +314,7 @@ def check_keras_residuals_survive_save_and_load_model():
         model = _dense_model(0)
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
                                        compression=hvd.Compression.gtopk(0.05), name="resume.keras",
-                                       num_groups=1)
+                                       groups=1)
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
         if mode == "uninterrupted":
             _train_keras(model, x, y, range(4))
@@ -325,7 +325,7 @@ def check_keras_residuals_survive_save_and_load_model():
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, f"rank{R}.keras")  # residuals are per rank: one file each
                 model.save(path)
-                model = hvdk.load_model(path, compression=hvd.Compression.gtopk(0.05), num_groups=1)
+                model = hvdk.load_model(path, compression=hvd.Compression.gtopk(0.05), groups=1)
             restored = model.optimizer._tfmpi_residuals
             for a, b in zip(saved, restored):
                 np.testing.assert_array_equal(a, b.numpy())
@@ -347,7 +347,7 @@ def _tape_setup(seed):
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(xb) - yb) ** 2)
-        tape = hvd.DistributedGradientTape(tape, compression=compression, name="resume.tape", num_groups=1)
+        tape = hvd.DistributedGradientTape(tape, compression=compression, name="resume.tape", groups=1)
         opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
 
     checkpoint = tf.train.Checkpoint(model=model, optimizer=opt, compression=compression)

@@ -477,8 +477,11 @@ def check_keras_elastic_state_and_callbacks():
                              khvd.elastic.CommitStateCallback(state, batches_per_commit=3)])
         return state.epoch, state.batch
 
-    assert train(state) == (1, 0)  # the last finished epoch; batch reset at its end
-    assert len(commits) == 2, commits  # after the 3rd and the 6th of 8 batches
+    # Horovod's UpdateEpochStateCallback: epoch = epoch at fit's start + Keras epoch + 1 (the
+    # next one to run); the batch is reset at each epoch's end.
+    assert train(state) == (2, 0)
+    # CommitStateCallback: after the 3rd and the 6th of 8 batches and at both epochs' ends.
+    assert len(commits) == 4, commits
 
 
 def check_elastic_run_restores_and_refuses_rank_membership_changes():

@@ -160,9 +160,9 @@ def check_ordered_backprop_trains_to_the_same_weights_bit_for_bit():
     # exactly, equal the single-process reference, and agree across ranks.
     x, y = global_data(4, seed=9)
     plain, ref = fit_pair(lambda: keras.optimizers.Adam(0.01), steps=4, data=(x, y),
-                          dist_kwargs={"num_groups": 3}, model_fn=lambda s: make_model(s, units=(32, 16, 8)))
+                          dist_kwargs={"groups": 3}, model_fn=lambda s: make_model(s, units=(32, 16, 8)))
     ordered, _ = fit_pair(lambda: keras.optimizers.Adam(0.01), steps=4, data=(x, y),
-                          dist_kwargs={"num_groups": 3, "order_backprop": True},
+                          dist_kwargs={"groups": 3, "order_backprop": True},
                           model_fn=lambda s: make_model(s, units=(32, 16, 8)))
     assert len(ordered.optimizer.grouping_plan.groups) == 3
     for a, b in zip(plain.get_weights(), ordered.get_weights()):
@@ -370,7 +370,7 @@ def check_device_arguments_place_the_gradient_collectives():
         def step():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(model(xb))
-            tape = hvd.DistributedGradientTape(tape, name=name, num_groups=1, **devices)
+            tape = hvd.DistributedGradientTape(tape, name=name, groups=1, **devices)
             return [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
         values = step()
         graph = step.get_concrete_function().graph
@@ -510,7 +510,7 @@ def check_best_model_checkpoint_saves_on_rank_0_only():
     model = make_model(1)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse", jit_compile=False)
     model.fit(shard(x), shard(y), batch_size=B, epochs=2, verbose=0, callbacks=[
-        hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint(path, monitor="loss", mode="min")])
+        hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint(filepath=path, monitor="loss", mode="min")])
     assert os.path.exists(path) == (R == 0), f"rank {R}: saved={os.path.exists(path)}"
     if R == 0:
         saved = keras.models.load_model(path)

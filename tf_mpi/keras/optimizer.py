@@ -1,7 +1,15 @@
 """DistributedOptimizer for Keras 3: reduces gradients across ranks inside apply().
 
+Two entry points share the wrapping below, each with its Horovod
+counterpart's parameters in that counterpart's order:
+``DistributedOptimizer`` here is ``tf_mpi.DistributedOptimizer``
+(``horovod.tensorflow.DistributedOptimizer``: ``use_locking`` third,
+``backward_passes_per_step`` before ``op``), and ``tf_mpi.keras``
+defines ``tf_mpi.keras.DistributedOptimizer``
+(``horovod.tensorflow.keras.DistributedOptimizer``).
+
 Where the reduction sits in Keras 3's ``apply()`` matters (each point below
-has a test in tests/workers/keras_worker.py):
+has a test in tests/workers/keras_worker.py or optimizer_compat_worker.py):
 
 - Plain optimizers: gradients are reduced in ``_clip_gradients``, the first
   thing Keras does with them after filtering empty gradients and unscaling:
@@ -15,6 +23,12 @@ has a test in tests/workers/keras_worker.py):
   ``mixed_float16`` (what ``model.compile`` would wrap it in anyway).
 - ``backward_passes_per_step=k``: gradients are accumulated locally and
   reduced and applied every k-th step (communication once per k steps).
+  ``iterations`` still counts every pass, as Horovod's does, so learning-rate
+  schedules and Adam's bias correction see the pass count.
+- Gradients returned by ``DistributedGradientTape`` (marked by it, see
+  ``tf_mpi.reducer.mark_reduced``) are applied without a second reduction:
+  Horovod's optimizer reduces only in ``compute_gradients``, so a tape's
+  gradients given to its ``apply_gradients`` are reduced once.
 - ``Compression.topk`` / ``gtopk``: the error-feedback residuals are optimizer
   variables ("tfmpi_residual", created in ``build``), so ``model.save`` and
   ``tf.train.Checkpoint`` keep them (with a LossScaleOptimizer the compressor
@@ -25,9 +39,10 @@ has a test in tests/workers/keras_worker.py):
 import keras
 import tensorflow as tf
 
-from tf_mpi.basics import Average
+from tf_mpi.basics import Average, Sum
 from tf_mpi.compression import Compression
-from tf_mpi.reducer import GradientReducer, map_gradient
+from tf_mpi.reducer import (GradientReducer, check_groups, check_process_set, is_reduced, map_gradient,
+                            variable_key)
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -43,6 +58,8 @@ class _DistributedMixin:
     _tfmpi_reducer = None
     _tfmpi_passes = 1
     _tfmpi_average_aggregated = False
+    # variable_key of the variables whose gradients in the current apply() came reduced from a tape.
+    _tfmpi_skip = frozenset()
 
     def _tfmpi_configure(self, reducer, backward_passes_per_step, average_aggregated_gradients):
         self._tfmpi_reducer = reducer
@@ -76,7 +93,28 @@ class _DistributedMixin:
         return list(getattr(self, "_tfmpi_residuals", None) or [])
 
     def _tfmpi_reduce(self, grads, variables, residuals=None):
-        return self._tfmpi_get_reducer().reduce(grads, variables, residuals)
+        """The reducer's reduction, leaving out the gradients DistributedGradientTape already reduced."""
+        reducer = self._tfmpi_get_reducer()
+        if not self._tfmpi_skip:
+            return reducer.reduce(grads, variables, residuals)
+        todo = [i for i, v in enumerate(variables) if variable_key(v) not in self._tfmpi_skip]
+        out = list(grads)
+        reduced = reducer.reduce([grads[i] for i in todo], [variables[i] for i in todo],
+                                 None if residuals is None else [residuals[i] for i in todo])
+        for i, g in zip(todo, reduced):
+            out[i] = g
+        return out
+
+    def _tfmpi_applying(self, grads, trainable_variables, apply_fn):
+        """apply_fn() with _tfmpi_skip naming the variables whose gradient in `grads` a
+        DistributedGradientTape returned (checked here, before Keras computes anything from them)."""
+        variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+        skip = frozenset(variable_key(v) for g, v in zip(grads, variables) if is_reduced(g))
+        object.__setattr__(self, "_tfmpi_skip", skip)  # not tracked as optimizer state
+        try:
+            return apply_fn()
+        finally:
+            object.__setattr__(self, "_tfmpi_skip", frozenset())
 
     def register_local_var(self, var):
         """Keeps `var`'s gradient local: it is not reduced across ranks (Horovod's model-parallel hook).
@@ -108,9 +146,12 @@ class _DistributedPlain(_DistributedMixin):
         return super()._backend_apply_gradients(grads, trainable_variables)
 
     def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
         if self._tfmpi_passes == 1:
-            return super().apply(grads, trainable_variables)
-        return self._tfmpi_apply_every_k(list(grads), trainable_variables)
+            return self._tfmpi_applying(grads, trainable_variables,
+                                        lambda: super(_DistributedPlain, self).apply(grads, trainable_variables))
+        return self._tfmpi_applying(grads, trainable_variables,
+                                    lambda: self._tfmpi_apply_every_k(grads, trainable_variables))
 
     def build(self, variables):
         if not self.built and self._tfmpi_passes > 1:
@@ -141,9 +182,14 @@ class _DistributedPlain(_DistributedMixin):
             super(_DistributedPlain, self).apply(summed, variables)
             for a in acc:
                 a.assign(tf.zeros_like(a))
-            return tf.constant(True)
+            return tf.constant(True)  # super().apply() counted this pass in iterations
 
-        return tf.cond(self._tfmpi_counter % k == 0, apply_accumulated, lambda: tf.constant(False))
+        def count_pass():
+            # Horovod adds 1 to iterations on the passes it does not apply, so iterations counts passes.
+            self._iterations.assign_add(1)
+            return tf.constant(False)
+
+        return tf.cond(self._tfmpi_counter % k == 0, apply_accumulated, count_pass)
 
 
 def _times(grad, factor):
@@ -152,8 +198,12 @@ def _times(grad, factor):
 
 class _DistributedLossScale(_DistributedMixin):
     def apply(self, grads, trainable_variables=None):
-        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         grads = list(grads)
+        return self._tfmpi_applying(grads, trainable_variables,
+                                    lambda: self._tfmpi_reduce_and_apply(grads, trainable_variables))
+
+    def _tfmpi_reduce_and_apply(self, grads, trainable_variables):
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         if getattr(self._tfmpi_get_reducer().compression, "sparsifies", False):
             # Top-k's error feedback carries what a rank did not send into later
             # steps, whose loss scale may differ: it works on unscaled gradients.
@@ -180,56 +230,18 @@ def _distributed_class(base):
     return _class_cache[base]
 
 
-def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
-                         sparse_as_dense=False, backward_passes_per_step=1, average_aggregated_gradients=False,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         order_backprop=None, scale_local_gradients=True, sparse=None):
-    """Wraps a Keras 3 optimizer so that gradients are averaged across ranks before they are applied.
+def _distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="",
+                           compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                           op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
+                           groups=None, scale_local_gradients=True, order_backprop=None, sparse=None):
+    """The distributed copy of `optimizer` behind both DistributedOptimizer entry points (arguments
+    already checked by them; ``groups`` as returned by ``tf_mpi.reducer.check_groups``).
 
-    Returns a new optimizer of a subclass of ``type(optimizer)`` with the same
-    configuration: use it wherever the original was (``model.compile``,
-    ``get_config``/``from_config``, ``optimizer.learning_rate``, saving).
-
-    Args:
-      optimizer: any Keras 3 optimizer (SGD, Adam, AdamW, RMSprop, ...) or a LossScaleOptimizer.
-      name: prefix of the collectives' names; default "Distributed<Class>".
-      device_dense / device_sparse: where the collectives of dense / IndexedSlices gradients run
-        (``tf.device``, as in Horovod, e.g. "/cpu:0"); '' leaves them where TensorFlow puts them.
-      compression: Compression.none, Compression.fp16, or Compression.topk(ratio) /
-        Compression.gtopk(ratio) (sparsified with error feedback; docs/compression.md).
-      sparse_as_dense: densify IndexedSlices gradients (e.g. of Embedding) and allreduce them, instead
-        of allgathering their rows. Worth it when the optimizer densifies the gradient anyway (Keras 3's
-        Adam, AdamW, RMSprop and SGD with momentum do) and the rows of all ranks together are a sizeable
-        part of the table: each rank then densifies its own rows instead of everyone's. The LSTM
-        benchmark (20000x128 table, 6400 rows per rank) trains 7-13 % faster with it on 2 ranks.
-        The same as ``sparse="dense"``.
-      backward_passes_per_step: reduce and apply once every this many steps, accumulating in between.
-      average_aggregated_gradients: with backward_passes_per_step > 1, average instead of sum the passes.
-      op: Average (default) or Sum.
-      gradient_predivide_factor: split the averaging into a division before and after the sum.
-      num_groups: if > 0, reduce gradients in this many groups of about equal bytes.
-      groups: explicit list of lists of variables to reduce together.
-      order_backprop: make backprop produce each group's gradients before it starts on the layers
-        below, so that early groups reach the engine early even when TensorFlow has one inter-op
-        thread (its queue would otherwise hold them back to the end of backprop). Default: the
-        TF_MPI_ORDER_BACKPROP environment variable, off unless "1".
-      scale_local_gradients: divide the gradients of variables registered with
-        ``register_local_var`` by size() (Horovod's default), or leave them as they are.
-      sparse: how IndexedSlices gradients travel: "allgather" (every rank's rows, Horovod's
-        default), "dense" (= ``sparse_as_dense=True``), "dedup" (each rank sums its duplicate rows,
-        the ranks exchange only the touched rows, the optimizer gets each touched row once as
-        IndexedSlices) or "auto" (per tensor and step, dedup's exchange or a dense allreduce by
-        measured cost; the optimizer gets a dense gradient). None: "dense" with
-        ``sparse_as_dense=True``, else "allgather". See tf_mpi.sparse and docs/sparse-gradients.md.
-
-    Example::
-
-        import keras, tf_mpi.keras as hvd
-        hvd.init()
-        opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
-        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
-        model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    Example: ``_distributed_optimizer(keras.optimizers.SGD(0.1), op=hvd.Sum)``
     """
+    if op not in (Average, Sum):
+        # Horovod's Keras optimizer takes only these two (ValueError, Adasum included).
+        raise ValueError(f"tf_mpi: DistributedOptimizer reduces with op=Average or op=Sum; got {op!r}")
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("tf_mpi: this optimizer is already a DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -247,11 +259,46 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", op=op, compression=compression,
                               sparse_as_dense=sparse_as_dense,
                               gradient_predivide_factor=gradient_predivide_factor,
-                              num_groups=num_groups, groups=groups, order_backprop=order_backprop,
+                              groups=groups, order_backprop=order_backprop,
                               scale_local_gradients=scale_local_gradients, device_dense=device_dense,
                               device_sparse=device_sparse, sparse=sparse)
     wrapped._tfmpi_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=None, scale_local_gradients=True, *,
+                         order_backprop=None, sparse=None):
+    """``tf_mpi.DistributedOptimizer``: ``tf_mpi.keras.DistributedOptimizer`` with the parameters of
+    ``horovod.tensorflow.DistributedOptimizer``, in its order.
+
+    That order differs from the Keras one: ``use_locking`` third, then
+    ``backward_passes_per_step`` before ``op`` and ``gradient_predivide_factor``.
+    ``use_locking`` is accepted and, as Horovod does for Keras optimizers,
+    not used; ``gradient_predivide_factor`` with an op other than Average is
+    a ValueError here (the Keras entry point ignores it, as Horovod's does).
+    ``process_set`` takes only the global set (tf_mpi has no process sets).
+    Everything else is as in ``tf_mpi.keras.DistributedOptimizer``, which
+    documents each argument; ``op`` and ``groups`` are honoured (Horovod's
+    top level drops them when it hands a Keras optimizer to its Keras wrapper).
+
+    Example::
+
+        import keras, tf_mpi as hvd
+        hvd.init()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()), backward_passes_per_step=2)
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    """
+    del use_locking  # a TF1 optimizer setting; Keras optimizers have none
+    check_process_set(process_set, "DistributedOptimizer")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average (as in Horovod)")
+    groups = check_groups(num_groups, groups)
+    return _distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                  gradient_predivide_factor, op, backward_passes_per_step,
+                                  average_aggregated_gradients, groups, scale_local_gradients, order_backprop, sparse)
 
 
 def distributed_custom_objects():
@@ -266,24 +313,33 @@ def distributed_custom_objects():
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
-               sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, sparse=None,
-               **kwargs):
+               legacy_opts=False, *, sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0,
+               num_groups=0, groups=None, sparse=None, **kwargs):
     """``keras.models.load_model`` whose optimizer comes back as a DistributedOptimizer.
 
-    The DistributedOptimizer options are not stored in the file: pass them
-    again (``backward_passes_per_step`` cannot be restored this way; wrap a
-    fresh optimizer instead). Other keyword arguments go to keras.models.load_model.
+    The positional parameters are Horovod's. ``legacy_opts=True`` (Horovod:
+    load ``keras.optimizers.legacy`` optimizers) raises ValueError: Keras 3
+    has no legacy optimizers. The DistributedOptimizer options are not
+    stored in the file: pass them again (``backward_passes_per_step`` cannot
+    be restored this way; wrap a fresh optimizer instead). Other keyword
+    arguments go to keras.models.load_model.
 
     Example::
 
         model = hvd.load_model("checkpoint.keras", compression=hvd.Compression.fp16)
     """
+    if op not in (Average, Sum):
+        raise ValueError(f"tf_mpi: DistributedOptimizer reduces with op=Average or op=Sum; got {op!r}")
+    if legacy_opts:
+        raise ValueError("tf_mpi: legacy_opts=True asks for keras.optimizers.legacy optimizers, which Keras 3 "
+                         "does not have")
     objects = distributed_custom_objects()
     for cls in custom_optimizers or []:
         objects[cls.__name__] = _distributed_class(cls)
     objects.update(custom_objects or {})
     options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, sparse=sparse)
+                   gradient_predivide_factor=gradient_predivide_factor, sparse=sparse,
+                   groups=check_groups(num_groups, groups))
     _options_while_loading.update(options)
     try:
         model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)

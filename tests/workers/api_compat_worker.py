@@ -3,7 +3,7 @@ the signatures (names, order, defaults) of horovod.tensorflow, int32 alltoall
 splits, the root's own object from broadcast_object, gradients of Min / Max /
 Product allreduces, the process-set parameters and ops, and the small helpers
 (is_homogeneous, gloo_enabled, nccl_built, ...). Run on every rank by
-tests/test_api_compat.py at np=2 and np=3.
+tests/test_horovod_api_compat.py at np=2 and np=3.
 
 Expected values come from numpy, from mpi4py on MPI_COMM_WORLD (not from
 tf_mpi) for reductions across ranks, and from Horovod's source for the

@@ -1,5 +1,5 @@
 """Horovod 0.28.1's Keras elastic callbacks, run on every rank by
-tests/test_elastic_keras_compat.py at np=2.
+tests/test_horovod_api_compat.py at np=2.
 
 Expected counts come from the rules of Horovod's ``horovod/_keras/elastic.py``,
 written out below as a formula (``horovod_commits``), never from tf_mpi's

@@ -1,6 +1,6 @@
 """Horovod 0.28.1 semantics of the optimizer / tape / Keras-module API that
 `import tf_mpi as hvd` and `import tf_mpi.keras as hvd` must keep, run on
-every rank by tests/test_optimizer_compat.py.
+every rank by tests/test_horovod_api_compat.py.
 
 Each check states Horovod's rule (from its source: horovod/tensorflow/__init__.py,
 horovod/tensorflow/keras/__init__.py, horovod/_keras/__init__.py,

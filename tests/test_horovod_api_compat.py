@@ -1,0 +1,51 @@
+"""Horovod 0.28.1's API, area by area, each checked by one worker against
+Horovod's source (signatures transcribed from it, expected numbers from its
+formulas, numpy or mpi4py):
+
+- api_compat_worker.py: join as an int32 op that waits each time it runs
+  (eager, tf.function, TF1 Session); the signatures of horovod.tensorflow and
+  calls in Horovod's positional order; int32 alltoall received splits; the
+  root's own object from broadcast_object; the `session` argument; gradients of
+  Min / Max / Product allreduces; process-set parameters and ops (global set
+  only); is_homogeneous, gloo_enabled, nccl_built, check_num_rank_power_of_2,
+  handle_average_backwards_compatibility; the timeline's ValueError before init().
+- optimizer_compat_worker.py: iterations with backward_passes_per_step, the
+  Keras module's collectives, the positional order of both DistributedOptimizers,
+  the tapes, gradient() and load_model, the groups / num_groups rules, any op
+  through the tape, and a tape's gradients reduced once by a DistributedOptimizer.
+- keras_callbacks_compat_worker.py: LearningRateScheduleCallback's number
+  multiplier (exponential decay), steps_per_epoch taken from fit, the rate logged
+  as 'lr' and 'learning_rate', BroadcastGlobalVariablesCallback's local
+  variables, device and variables created by the first step, BestModelCheckpoint.
+- elastic_keras_compat_worker.py: commits, state.epoch, state.batch and
+  params['steps'] during fit and across an elastic restart.
+
+One launch per worker and world size runs all of that worker's checks.
+"""
+import pytest
+
+from mpi_harness import assert_check, cached_launches, check_names
+
+# A collective that some ranks never submit fails after 30 s instead of hanging the launch; no
+# start-up overlap probe for the gradient tapes (not what is tested here).
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
+# worker -> (world sizes, launch time limit in seconds)
+WORKERS = {
+    "api_compat_worker.py": ([2, 3], 300),
+    "optimizer_compat_worker.py": ([2], 400),
+    "keras_callbacks_compat_worker.py": ([2, 3], 420),
+    "elastic_keras_compat_worker.py": ([2], 300),
+}
+LAUNCHES = {worker: cached_launches(worker, ENV, timeout=limit) for worker, (_, limit) in WORKERS.items()}
+CASES = [(worker, np) for worker, (sizes, _) in WORKERS.items() for np in sizes]
+
+
+@pytest.mark.parametrize("worker,np", CASES)
+def test_launch_exits_cleanly(worker, np):
+    LAUNCHES[worker](np).assert_clean_exit()
+
+
+@pytest.mark.parametrize("worker,np,check",
+                         [(worker, np, check) for worker, np in CASES for check in check_names(worker)])
+def test_horovod_api_compat(worker, np, check):
+    assert_check(LAUNCHES[worker](np), np, check)

@@ -3,7 +3,8 @@ import tensorflow as tf
 
 from tf_mpi.basics import Average
 from tf_mpi.compression import Compression
-from tf_mpi.reducer import GradientReducer, check_groups, check_process_set, mark_reduced, variable_key
+from tf_mpi.basics import _check_process_set
+from tf_mpi.reducer import GradientReducer, check_groups, mark_reduced, variable_key
 
 
 def _new_object(grad):
@@ -58,7 +59,7 @@ class DistributedGradientTape(tf.GradientTape):
                  sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=None, scale_local_gradients=True, *, name="DistributedGradientTape",
                  local_variables=None, order_backprop=None, sparse=None):
-        check_process_set(process_set, "DistributedGradientTape")
+        _check_process_set(process_set, "DistributedGradientTape")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average (as in Horovod)")
         groups = check_groups(num_groups, groups)

@@ -57,19 +57,6 @@ def check_groups(num_groups, groups, stacklevel=3):
     return int(groups)
 
 
-def check_process_set(process_set, function):
-    """Horovod's ``process_set`` parameter, kept for its position: only the global set (all ranks) is
-    supported, given as None or as a set whose ``process_set_id`` is 0 (Horovod's
-    ``global_process_set``); any other raises NotImplementedError.
-
-    Example: ``check_process_set(None, "DistributedGradientTape")`` returns None
-    """
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return
-    raise NotImplementedError(f"tf_mpi: {function}(process_set=...) supports only the global process set (all "
-                              "ranks); to run on a subset of ranks, start tf_mpi on it with init(comm=...)")
-
-
 def mark_reduced(grad):
     """Marks a gradient returned by DistributedGradientTape, so that a DistributedOptimizer given it
     does not reduce it again (Horovod's optimizer reduces only in compute_gradients, never in

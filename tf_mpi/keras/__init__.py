@@ -37,7 +37,8 @@ elastic = _importlib.import_module("tf_mpi.keras.elastic")
 from tf_mpi.keras import optimizer as _optimizer  # noqa: E402
 from tf_mpi.keras.optimizer import load_model  # noqa: F401,E402
 from tf_mpi.keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401,E402
-from tf_mpi.reducer import check_groups as _check_groups, check_process_set as _check_process_set  # noqa: E402
+from tf_mpi.basics import _check_process_set  # noqa: E402
+from tf_mpi.reducer import check_groups as _check_groups  # noqa: E402
 
 __all__ = [*_tf_mpi.__all__, "callbacks", "load_model"]
 

@@ -41,8 +41,8 @@ import tensorflow as tf
 
 from tf_mpi.basics import Average, Sum
 from tf_mpi.compression import Compression
-from tf_mpi.reducer import (GradientReducer, check_groups, check_process_set, is_reduced, map_gradient,
-                            variable_key)
+from tf_mpi.basics import _check_process_set
+from tf_mpi.reducer import GradientReducer, check_groups, is_reduced, map_gradient, variable_key
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -292,7 +292,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
     """
     del use_locking  # a TF1 optimizer setting; Keras optimizers have none
-    check_process_set(process_set, "DistributedOptimizer")
+    _check_process_set(process_set, "DistributedOptimizer")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average (as in Horovod)")
     groups = check_groups(num_groups, groups)

@@ -19,6 +19,7 @@ from tf_mpi import basics
 from tf_mpi._compat import warn_unused_argument
 from tf_mpi.functions import broadcast_variables
 from tf_mpi.ops import _on_device
+from tf_mpi.reducer import variable_key
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]
@@ -28,17 +29,6 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learnin
 _NO_MOMENTUM_CORRECTION = ("the momentum is not rescaled when the rate changes (a Keras 3 optimizer's "
                            "momentum is a constant of its compiled update step); keep rate changes small or "
                            "per batch (staircase=False) where that matters")
-
-
-def _identities(variable):
-    """The ids a variable is known by: a Keras 3 weight (keras.Variable) wraps a tf.Variable, and a
-    script may name either (``layer.kernel`` or ``layer.kernel.value``)."""
-    ids = {id(variable)}
-    if isinstance(variable, keras.Variable):
-        inner = variable.value  # the tf.Variable itself outside an autocast scope (as in a callback)
-        if isinstance(inner, tf.Variable):
-            ids.add(id(inner))
-    return ids
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -99,8 +89,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             # Error-feedback residuals of top-k compression are each rank's own: not broadcast.
             own = {id(v) for v in getattr(opt, "residual_variables", [])}
             variables += [v for v in opt.variables if id(v) not in own]
-        local = set().union(*(_identities(v) for v in self._local_vars))
-        return [v for v in variables if not _identities(v) & local]
+        local = {variable_key(v) for v in self._local_vars}
+        return [v for v in variables if variable_key(v) not in local]
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:

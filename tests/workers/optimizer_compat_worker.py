@@ -57,6 +57,9 @@ HOROVOD_PARAMS = {
                                        "process_set", "local_layers", "scale_local_gradients"],
     "gradient": ["target", "sources", "output_gradients", "use_generic_names"],
     "load_model": ["filepath", "custom_optimizers", "custom_objects", "compression", "legacy_opts"],
+    "keras.PartialDistributedOptimizer": ["optimizer", "name", "device_dense", "device_sparse", "compression",
+                                          "sparse_as_dense", "gradient_predivide_factor", "op", "groups",
+                                          "process_set", "local_layers", "scale_local_gradients"],
     "keras.allreduce": ["value", "name", "average", "prescale_factor", "postscale_factor", "op", "compression"],
     "keras.allgather": ["value", "name"],
     "keras.broadcast": ["value", "root_rank", "name"],
@@ -487,6 +490,33 @@ def check_tape_gradients_are_not_reduced_again_by_the_optimizer():
     opt.apply_gradients(zip(dtape.gradient(loss, variables), variables))
     assert np.allclose(variables[0].numpy(), 1.0 - cs[0], rtol=1e-6), variables[0].numpy()
     assert np.allclose(variables[1].numpy(), 1.0 - gathered(cs[1]).sum(0), rtol=1e-6), variables[1].numpy()
+
+
+
+def check_partial_distributed_optimizer_keeps_local_layers_local():
+    """horovod.keras.PartialDistributedOptimizer (Horovod's order): the trainable weights of local_layers
+    are registered as local: their gradients are not reduced and, with scale_local_gradients=True,
+    are divided by size(); the other layers' gradients are averaged. A non-layer is a ValueError."""
+    positional, keyword_only = positional_params(hvdk.PartialDistributedOptimizer)
+    assert positional == HOROVOD_PARAMS["keras.PartialDistributedOptimizer"] and not keyword_only, positional
+    for scale in (True, False):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="shared"),
+                                  keras.layers.Dense(2, name="head")])
+        local = model.get_layer("head")
+        opt = hvdk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), f"partial{int(scale)}",
+                                               local_layers=local, scale_local_gradients=scale)
+        before = [v.numpy().copy() for v in model.trainable_weights]
+        cs = [rank_constants(v.shape, 40 + i) for i, v in enumerate(model.trainable_weights)]
+        opt.apply_gradients(zip([tf.constant(c) for c in cs], model.trainable_weights))
+        local_ids = {id(v) for v in local.trainable_weights}
+        for v, w0, c in zip(model.trainable_weights, before, cs):
+            if id(v) in local_ids:
+                want = w0 - (c / N if scale else c)        # this rank's own gradient only
+            else:
+                want = w0 - gathered(c).mean(0)
+            assert np.allclose(v.numpy(), want, rtol=1e-6, atol=1e-6), (v.path, scale, v.numpy(), want)
+    raises(lambda: hvdk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[object()]),
+           ValueError, "keras.layers.Layer")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Keras 3 integration: ``import tf_mpi.keras as hvd`` is all a training script needs.
 
 It offers everything ``tf_mpi`` exports (``init``, ``rank``, ...) plus
-Horovod's Keras names: ``DistributedOptimizer``, ``load_model``,
+Horovod's Keras names: ``DistributedOptimizer``, ``PartialDistributedOptimizer``, ``load_model``,
 ``SyncBatchNormalization``, ``callbacks`` and ``elastic`` (the Keras elastic
 state and callbacks). As in ``horovod.tensorflow.keras``,
 ``DistributedOptimizer``, ``allreduce``, ``allgather``, ``broadcast`` and
@@ -40,7 +40,7 @@ from tf_mpi.keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401,E4
 from tf_mpi.basics import _check_process_set  # noqa: E402
 from tf_mpi.reducer import check_groups as _check_groups  # noqa: E402
 
-__all__ = [*_tf_mpi.__all__, "callbacks", "load_model"]
+__all__ = [*_tf_mpi.__all__, "callbacks", "load_model", "PartialDistributedOptimizer"]
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=_Compression.none,
@@ -113,6 +113,45 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor,
         op, backward_passes_per_step, average_aggregated_gradients, groups, scale_local_gradients,
         order_backprop, sparse)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=_Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=_Average, groups=None, process_set=None, local_layers=None,
+                                scale_local_gradients=True):
+    """A DistributedOptimizer that keeps the gradients of ``local_layers`` on each rank (model parallelism).
+
+    Horovod's ``horovod.keras.PartialDistributedOptimizer``, parameters in its
+    order: every trainable weight of the given layers is registered with
+    ``register_local_var``, so its gradient is not reduced across ranks and,
+    with ``scale_local_gradients=True`` (the default), is divided by size().
+    The other gradients are reduced as by ``DistributedOptimizer``. The
+    layers' weights are read when this is called: build the model first.
+    ``local_layers`` is a layer, a list of layers or None (then this is
+    ``DistributedOptimizer``); anything that is not a Keras layer is a
+    ValueError.
+
+    Example::
+
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="shared"),
+                                  keras.layers.Dense(1, name="head")])
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.01), local_layers=[model.get_layer("head")])
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    """
+    import keras as _keras
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, _keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, _keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
 
 
 # Horovod's Keras collectives take a tensor-like value and return a tensor (eagerly, as in Horovod on

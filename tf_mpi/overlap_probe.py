@@ -45,10 +45,28 @@ PROBE_BYTES = 16 << 20
 COMPUTE_TO_COMM = 3
 
 
+def numpy_matmul_kernel(n=256):
+    """A compute kernel for the probe: `k` n x n float32 matmuls in numpy, on the CPU."""
+    a = np.random.default_rng(12).random((n, n), dtype=np.float32)
+
+    def compute(k):
+        for _ in range(k):
+            a @ a
+    return compute
+
+
 def tf_matmul_kernel(n=256):
-    """A compute kernel for the probe: `k` eager n x n matmuls on the default device."""
+    """A compute kernel for the probe: `k` eager n x n matmuls on the default device.
+
+    Where no eager context exists to run them in (a TF1-style graph built for
+    ``Session.run``, with eager execution disabled or under ``Graph.as_default``
+    at the outermost level), the kernel is numpy's (CPU) instead: the probe then
+    adds nothing to the user's graph and needs no session.
+    """
     import tensorflow as tf
     with tf.init_scope():
+        if not tf.executing_eagerly():
+            return numpy_matmul_kernel(n)
         a = tf.random.stateless_uniform([n, n], seed=[1, 2])
 
     def compute(k):

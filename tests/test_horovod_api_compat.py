@@ -19,6 +19,9 @@ formulas, numpy or mpi4py):
   variables, device and variables created by the first step, BestModelCheckpoint.
 - elastic_keras_compat_worker.py: commits, state.epoch, state.batch and
   params['steps'] during fit and across an elastic restart.
+- adasum_worker.py: op=hvd.Adasum (allreduce, grouped, scale factors, fp16,
+  gradient, the tape) against a numpy reference of Horovod's recursion at
+  np=2 and 4; the refusals (np=3: not a power of two; IndexedSlices; integers).
 
 One launch per worker and world size runs all of that worker's checks.
 """
@@ -35,6 +38,7 @@ WORKERS = {
     "optimizer_compat_worker.py": ([2], 400),
     "keras_callbacks_compat_worker.py": ([2, 3], 420),
     "elastic_keras_compat_worker.py": ([2], 300),
+    "adasum_worker.py": ([2, 3, 4], 240),
 }
 LAUNCHES = {worker: cached_launches(worker, ENV, timeout=limit) for worker, (_, limit) in WORKERS.items()}
 CASES = [(worker, np) for worker, (sizes, _) in WORKERS.items() for np in sizes]

@@ -21,8 +21,8 @@ class DistributedGradientTape(tf.GradientTape):
 
     The positional parameters are Horovod's, in its order (``process_set``
     takes only the global set: tf_mpi has no process sets); the others are
-    keyword-only. ``op`` is any reduction but Adasum (Average, Sum, Min, Max,
-    Product), as in Horovod; ``gradient_predivide_factor`` needs op=Average
+    keyword-only. ``op`` is any reduction (Average, Sum, Min, Max, Product,
+    Adasum: see tf_mpi.adasum), as in Horovod; ``gradient_predivide_factor`` needs op=Average
     (ValueError otherwise); ``num_groups`` is deprecated in favour of
     ``groups`` (an integer > 0 or lists of variables; DeprecationWarning /
     ValueError as in Horovod).

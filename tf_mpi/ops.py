@@ -13,7 +13,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tf_mpi import basics
+from tf_mpi import adasum, basics
 from tf_mpi.basics import Average, Sum, Min, Max, Product, Adasum, ReduceOp, _check_process_set
 from tf_mpi.compression import Compression
 
@@ -58,8 +58,6 @@ def _check_op(op):
     if isinstance(op, bool) or op not in _VALID_OPS:
         raise ValueError(f"tf_mpi: op must be one of Average, Sum, Min, Max, Product, Adasum; got {op!r} "
                          "(the deprecated flag is average=True / False)")
-    if op == Adasum:
-        raise NotImplementedError("tf_mpi: the Adasum reduction is not implemented yet; use op=Average or op=Sum")
 
 
 def _name(name):
@@ -128,8 +126,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
       device_dense / device_sparse: devices for dense / IndexedSlices inputs
         (Horovod's arguments; '' leaves placement to TensorFlow).
       compression: ``Compression.none`` or ``Compression.fp16``.
-      op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        Integer averages are truncated toward zero.
+      op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or
+        ``Adasum`` (floating-point tensors, a power-of-two number of ranks;
+        see tf_mpi.adasum). Integer averages are truncated toward zero.
       prescale_factor / postscale_factor: multiply before / after the reduction.
       name: matches this collective across ranks; defaults to the op's name.
       process_set: ``None`` (all ranks); tf_mpi has no other process sets.
@@ -150,8 +149,39 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     with _on_device(device_dense):
         tensor = tf.convert_to_tensor(tensor)
         compressed, ctx = compression.compress(tensor)
-        reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
+        if op == Adasum:
+            reduced = _adasum_allreduce([compressed], prescale_factor, postscale_factor, name)[0]
+        else:
+            reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
         return compression.decompress(reduced, ctx)
+
+
+def _adasum_allreduce(tensors, prescale_factor, postscale_factor, name):
+    """Adasum of each tensor over all ranks (tf_mpi.adasum), from one grouped allgather of them.
+
+    Its gradient is the Adasum of the incoming gradients, as Horovod's allreduce gradient is
+    the same reduction of the gradient."""
+    for t in tensors:
+        adasum.check_dtype(t.dtype)
+    n = basics.size()
+    adasum.check_size(n)
+
+    @tf.custom_gradient
+    def reduce(*xs):
+        scaled = [_scale(x, prescale_factor) for x in xs]
+        if n == 1:
+            combined = scaled
+        else:
+            gathered = grouped_allgather([tf.expand_dims(x, 0) for x in scaled],
+                                         name=None if name is None else f"{name}.adasum")
+            combined = [adasum.combine(tf.unstack(g, num=n)) for g in gathered]
+        out = [_scale(c, postscale_factor) for c in combined]
+
+        def grad(*upstream):
+            return _adasum_allreduce(list(upstream), prescale_factor, postscale_factor,
+                                     None if name is None else f"{name}.grad")
+        return out, grad
+    return reduce(*tensors)
 
 
 def _scale(x, factor):
@@ -164,6 +194,9 @@ def _scale(x, factor):
 
 
 def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor):
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a workaround "
+                                  "please pass sparse_as_dense=True to DistributedOptimizer")
     if op not in (Average, Sum):
         raise NotImplementedError("tf_mpi: IndexedSlices can only be reduced with op=Average or op=Sum")
     prefix = "" if name is None else f"{name}."
@@ -204,7 +237,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
             if isinstance(t, tf.IndexedSlices):
                 out[i] = _allreduce_indexed_slices(t, op, None if name is None else f"{name}.{i}",
                                                    prescale_factor, postscale_factor)
-    if dense_idx:
+    if dense_idx and op == Adasum:
+        with _on_device(device_dense):
+            pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
+            reduced = _adasum_allreduce([p[0] for p in pairs], prescale_factor, postscale_factor, name)
+            for i, r, (_, ctx) in zip(dense_idx, reduced, pairs):
+                out[i] = compression.decompress(r, ctx)
+    elif dense_idx:
         _check_not_xla()
         with _on_device(device_dense):
             pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]

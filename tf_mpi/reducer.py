@@ -14,7 +14,7 @@ from tf_mpi.basics import Adasum, Average, Max, Min, Product, Sum
 from tf_mpi.compression import Compression
 
 # Reductions a gradient reducer passes to the allreduce (Horovod's tape takes any op).
-GRADIENT_OPS = (Average, Sum, Min, Max, Product)
+GRADIENT_OPS = (Average, Sum, Min, Max, Product, Adasum)
 # The attribute DistributedGradientTape sets on the gradients it returns (see mark_reduced).
 _REDUCED_MARK = "_tfmpi_reduced"
 
@@ -115,10 +115,9 @@ class GradientReducer:
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
                  order_backprop=None, scale_local_gradients=True, device_dense="", device_sparse="",
                  sparse=None):
-        if op == Adasum:
-            raise NotImplementedError("tf_mpi: the Adasum reduction is not implemented yet; use op=Average or op=Sum")
         if op not in GRADIENT_OPS:
-            raise ValueError(f"tf_mpi: gradients are reduced with op=Average, Sum, Min, Max or Product; got {op!r}")
+            raise ValueError(f"tf_mpi: gradients are reduced with op=Average, Sum, Min, Max, Product or Adasum; "
+                             f"got {op!r}")
         if compression in (Compression.topk, Compression.gtopk):
             raise ValueError("tf_mpi: Compression.topk / Compression.gtopk take the ratio of entries to send, "
                              "e.g. compression=Compression.topk(0.01)")

@@ -24,6 +24,7 @@ HOROVOD_NAMES = {
     "broadcast_global_variables",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "SyncBatchNormalization", "elastic",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
 }
 TF_MPI_ADDITIONS = {"grouped_broadcast", "barrier", "mpi_built_with_cuda_support", "gpu_transport", "data",
                     "grouping"}

@@ -28,9 +28,10 @@ The public API (``__all__``, what ``from tf_mpi import *`` binds):
   ``broadcast_object``, ``broadcast_object_fn``, ``allgather_object``,
   ``broadcast_global_variables``; ``DistributedGradientTape``,
   ``PartialDistributedGradientTape``, ``DistributedOptimizer``,
-  ``SyncBatchNormalization``; and the module ``elastic``. Their parameters
-  are Horovod's (names, order, defaults); ``process_set`` accepts only the
-  global set, as tf_mpi has no process sets.
+  ``SyncBatchNormalization``; ``ProcessSet``, ``global_process_set``,
+  ``add_process_set``, ``remove_process_set``; and the module ``elastic``.
+  Their parameters are Horovod's (names, order, defaults); every collective
+  takes ``process_set`` (tf_mpi.process_sets).
 - tf_mpi's additions: ``grouped_broadcast``, ``barrier``,
   ``mpi_built_with_cuda_support``, ``gpu_transport``, and the modules
   ``data`` (sharding input by rank) and ``grouping`` (which gradients are
@@ -70,6 +71,7 @@ _API = {
         "allgather_object", "barrier", "broadcast_global_variables",
     ),
     "gradient_tape": ("DistributedGradientTape", "PartialDistributedGradientTape"),
+    "process_sets": ("ProcessSet", "global_process_set", "add_process_set", "remove_process_set"),
     # horovod.tensorflow exports these too (DistributedOptimizer takes Keras optimizers).
     "keras.optimizer": ("DistributedOptimizer",),
     "keras.sync_batch_norm": ("SyncBatchNormalization",),

@@ -55,8 +55,10 @@ def init(comm=None, process_sets=None):
     Args:
       comm: ``None`` for all of ``MPI_COMM_WORLD``; an mpi4py communicator to
         run on it; or a list of world ranks to run on a sub-communicator.
-      process_sets: Horovod's parameter; tf_mpi has only the global set, so
-        ``None`` or an empty list (anything else raises ``NotImplementedError``).
+      process_sets: Horovod's: a list of ``ProcessSet`` to register now (each
+        gets its ``process_set_id``), or ``"dynamic"`` to allow
+        ``add_process_set`` / ``remove_process_set`` later (as does
+        ``HOROVOD_DYNAMIC_PROCESS_SETS=1``); see tf_mpi.process_sets.
 
     MPI is initialised (with ``MPI_THREAD_MULTIPLE``) if mpi4py or another
     library has not done so already. At exit the engine shuts down and MPI is
@@ -72,10 +74,6 @@ def init(comm=None, process_sets=None):
         hvd.init()
         print(f"rank {hvd.rank()} of {hvd.size()}")
     """
-    if process_sets is not None and (isinstance(process_sets, str) or list(process_sets)):
-        raise NotImplementedError(
-            "tf_mpi: init(process_sets=...) is not supported: tf_mpi has no process sets, every collective runs "
-            "on all ranks of init(); init(comm=[ranks]) runs tf_mpi on a subset of the ranks")
     if comm is None:
         _core.init()
     elif isinstance(comm, (list, tuple)):
@@ -85,6 +83,8 @@ def init(comm=None, process_sets=None):
     else:
         raise TypeError(f"init(comm=...) takes None, an mpi4py communicator or a list of ranks, not {type(comm)}")
     _install_excepthook()
+    from tf_mpi import process_sets as _process_sets
+    _process_sets.init_process_sets(process_sets)
 
 
 def _install_excepthook():
@@ -170,6 +170,8 @@ def shutdown():
         hvd.shutdown()
     """
     _core.shutdown()
+    from tf_mpi import process_sets as _process_sets
+    _process_sets.reset()
 
 
 def is_initialized():
@@ -404,14 +406,8 @@ def check_num_rank_power_of_2(num_rank):
 
 
 def _check_process_set(process_set, function):
-    """tf_mpi has one process set, the global one: every rank ``init()`` started.
-
-    ``process_set=None`` (tf_mpi's default) and a set whose ``process_set_id`` is 0
-    (Horovod's ``global_process_set``) mean it; any other set raises
-    ``NotImplementedError`` instead of silently running on all ranks.
-    """
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return
-    raise NotImplementedError(
-        f"tf_mpi: {function}(process_set=...) supports only the global process set (all ranks); process sets "
-        "are not implemented. To run on a subset of ranks, start tf_mpi on it with init(comm=[ranks]).")
+    """The id of ``process_set`` for a call of ``function``: 0 for ``None`` (tf_mpi's default)
+    and for Horovod's ``global_process_set``; the registered id of any other set; ValueError for
+    a set that is not registered (tf_mpi.process_sets)."""
+    from tf_mpi import process_sets
+    return process_sets.resolve(process_set, function)

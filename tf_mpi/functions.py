@@ -13,7 +13,7 @@ import cloudpickle
 import numpy as np
 import tensorflow as tf
 
-from tf_mpi import basics
+from tf_mpi import basics, process_sets
 from tf_mpi._compat import warn_unused_argument
 from tf_mpi.basics import _check_process_set
 from tf_mpi.ops import grouped_broadcast
@@ -32,11 +32,11 @@ def _as_op(assigned):
     return getattr(assigned, "op", assigned)
 
 
-def _assign_broadcast(variables, root_rank, name):
+def _assign_broadcast(variables, root_rank, name, process_set=None):
     """Broadcasts `variables` from root_rank (one collective) and assigns; returns the assignments."""
     if name is None and tf.executing_eagerly():
         name = "tfmpi.broadcast_variables"  # graphs use the op's (unique) node name
-    values = grouped_broadcast([_read(v) for v in variables], root_rank, name=name)
+    values = grouped_broadcast([_read(v) for v in variables], root_rank, name=name, process_set=process_set)
     return [v.assign(value) for v, value in zip(variables, values)]
 
 
@@ -45,7 +45,7 @@ def broadcast_variables(variables, root_rank, process_set=None, inplace=False, *
 
     As in Horovod, eagerly this assigns at once and returns None; in graph
     mode (a TF1 Session, or inside ``tf.function``) it returns the op that
-    does it. ``process_set`` is Horovod's (only the global set, ``None``);
+    does it. ``process_set`` is Horovod's (root_rank is a global rank);
     ``inplace=True`` gives the same result (Horovod's in-place variant saves
     a temporary copy; tf_mpi always broadcasts into one, and warns once).
     ``name`` (keyword only, a tf_mpi addition) names the collective.
@@ -62,7 +62,7 @@ def broadcast_variables(variables, root_rank, process_set=None, inplace=False, *
     variables = list(variables)
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
-    assigned = _assign_broadcast(variables, root_rank, name)
+    assigned = _assign_broadcast(variables, root_rank, name, process_set)
     if tf.executing_eagerly():
         return None
     return tf.group(*[_as_op(a) for a in assigned])
@@ -73,8 +73,8 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
     ``variables`` and returns those values (tensors, one per variable).
 
     Works eagerly, inside ``tf.function`` and in a TF1 graph (resource and
-    ref variables), for every dtype the collectives support. ``process_set``:
-    only the global set (``None``).
+    ref variables), for every dtype the collectives support. ``process_set``
+    as in ``broadcast_variables``.
 
     Example::
 
@@ -84,7 +84,7 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
     variables = list(variables)
     if not variables:
         return []
-    assigned = _assign_broadcast(variables, root_rank, name)
+    assigned = _assign_broadcast(variables, root_rank, name, process_set)
     if tf.executing_eagerly():
         return [_read(v) for v in variables]
     with tf.control_dependencies([_as_op(a) for a in assigned]):
@@ -121,21 +121,22 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None
     As in Horovod, root_rank gets `obj` itself back, the others an unpickled
     copy. ``session`` (Horovod's TF1 Session) is accepted and not needed:
     the object goes through the engine directly, eagerly or in a graph.
-    ``process_set``: only the global set (``None``).
+    With ``process_set`` only its ranks take part (root_rank is a global rank).
 
     Example::
 
         config = hvd.broadcast_object(config if hvd.rank() == 0 else None, root_rank=0)
     """
-    _check_process_set(process_set, "broadcast_object")
+    set_id = _check_process_set(process_set, "broadcast_object")
+    root = process_sets.set_rank_of(set_id, root_rank)
     name = name or "tfmpi.broadcast_object"
     if basics.rank() == root_rank:
         payload = _dumps(obj)
-        basics._core.broadcast(np.array([payload.size], np.int64), root_rank, name + ".len")
-        basics._core.broadcast(payload, root_rank, name + ".data")
+        basics._core.broadcast(np.array([payload.size], np.int64), root, name + ".len", set_id)
+        basics._core.broadcast(payload, root, name + ".data", set_id)
         return obj
-    length = basics._core.broadcast(np.zeros(1, np.int64), root_rank, name + ".len")
-    data = basics._core.broadcast(np.zeros(int(length[0]), np.uint8), root_rank, name + ".data")
+    length = basics._core.broadcast(np.zeros(1, np.int64), root, name + ".len", set_id)
+    data = basics._core.broadcast(np.zeros(int(length[0]), np.uint8), root, name + ".data", set_id)
     return cloudpickle.loads(data.tobytes())
 
 
@@ -157,7 +158,8 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
     def decorator(fn):
         def wrapped(*args, **kwargs):
             result = fn(*args, **kwargs) if basics.rank() == root_rank else None
-            return broadcast_object(result, root_rank, name=name or f"tfmpi.broadcast_object_fn.{fn.__name__}")
+            return broadcast_object(result, root_rank, name=name or f"tfmpi.broadcast_object_fn.{fn.__name__}",
+                                    process_set=process_set)
         return wrapped
     return decorator
 
@@ -166,17 +168,17 @@ def allgather_object(obj, session=None, name=None, process_set=None):
     """Returns the list of every rank's `obj`, in rank order (unpickled copies, this rank's too).
 
     ``session`` (Horovod's TF1 Session) is accepted and not needed, as for
-    ``broadcast_object``; ``process_set``: only the global set (``None``).
+    ``broadcast_object``; with ``process_set``, the objects of its ranks, in their order.
 
     Example::
 
         counts = hvd.allgather_object(len(my_shard))   # [n0, n1, ...]
     """
-    _check_process_set(process_set, "allgather_object")
+    set_id = _check_process_set(process_set, "allgather_object")
     name = name or "tfmpi.allgather_object"
     payload = _dumps(obj)
-    lengths = basics._core.allgather(np.array([payload.size], np.int64), name + ".len")
-    data = basics._core.allgather(payload, name + ".data")
+    lengths = basics._core.allgather(np.array([payload.size], np.int64), name + ".len", set_id)
+    data = basics._core.allgather(payload, name + ".data", set_id)
     out, offset = [], 0
     for n in lengths:
         out.append(cloudpickle.loads(data[offset:offset + int(n)].tobytes()))
@@ -184,8 +186,8 @@ def allgather_object(obj, session=None, name=None, process_set=None):
     return out
 
 
-def barrier(name="tfmpi.barrier"):
-    """Returns once every rank has called barrier().
+def barrier(name="tfmpi.barrier", process_set=None):
+    """Returns once every rank (of ``process_set``, default all) has called barrier().
 
     Example::
 
@@ -193,4 +195,5 @@ def barrier(name="tfmpi.barrier"):
             prepare_shared_files()
         hvd.barrier()   # the others wait until rank 0 is done
     """
-    basics._core.allreduce(np.zeros(1, np.int32), basics.Sum, name)
+    set_id = _check_process_set(process_set, "barrier")
+    basics._core.allreduce(np.zeros(1, np.int32), basics.Sum, name, 1.0, 1.0, set_id)

@@ -19,8 +19,8 @@ def _new_object(grad):
 class DistributedGradientTape(tf.GradientTape):
     """Wraps a ``tf.GradientTape``; ``gradient()`` returns gradients averaged over ranks.
 
-    The positional parameters are Horovod's, in its order (``process_set``
-    takes only the global set: tf_mpi has no process sets); the others are
+    The positional parameters are Horovod's, in its order (``process_set``:
+    gradients are reduced among that set's ranks only); the others are
     keyword-only. ``op`` is any reduction (Average, Sum, Min, Max, Product,
     Adasum: see tf_mpi.adasum), as in Horovod; ``gradient_predivide_factor`` needs op=Average
     (ValueError otherwise); ``num_groups`` is deprecated in favour of
@@ -69,7 +69,7 @@ class DistributedGradientTape(tf.GradientTape):
                                         gradient_predivide_factor=gradient_predivide_factor,
                                         groups=groups, order_backprop=order_backprop,
                                         scale_local_gradients=scale_local_gradients, device_dense=device_dense,
-                                        device_sparse=device_sparse, sparse=sparse)
+                                        device_sparse=device_sparse, sparse=sparse, process_set=process_set)
         for v in local_variables or []:
             self._reducer.register_local(v)
 

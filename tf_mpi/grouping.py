@@ -349,15 +349,15 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
     return plan
 
 
-def verify_same_plan_everywhere(plan, name):
-    """Raises ValueError on every rank if the ranks derived different plans (collective).
+def verify_same_plan_everywhere(plan, name, process_set_id=0):
+    """Raises ValueError on every rank (of the process set) if the ranks derived different plans (collective).
 
     Example: ``verify_same_plan_everywhere(plan, "my_loop")`` (on every rank, with the same name)
     """
     from tf_mpi.basics import _core, Min, Max
     h = np.array([int(plan.fingerprint[:15], 16)], np.int64)
-    lo = _core.allreduce(h, Min, f"tfmpi.plancheck.{name}.min")
-    hi = _core.allreduce(h, Max, f"tfmpi.plancheck.{name}.max")
+    lo = _core.allreduce(h, Min, f"tfmpi.plancheck.{name}.min", 1.0, 1.0, process_set_id)
+    hi = _core.allreduce(h, Max, f"tfmpi.plancheck.{name}.max", 1.0, 1.0, process_set_id)
     if lo[0] != hi[0]:
         raise ValueError(
             f"tf_mpi: ranks derived different gradient grouping plans for '{name}' (plan hashes differ). "

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tf_mpi import adasum, basics
+from tf_mpi import adasum, basics, process_sets
 from tf_mpi.basics import Average, Sum, Min, Max, Product, Adasum, ReduceOp, _check_process_set
 from tf_mpi.compression import Compression
 
@@ -74,11 +74,12 @@ def _check_not_xla():
             "model.compile(), or drop jit_compile=True from your tf.function.")
 
 
-def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set_id=0):
     """The raw op: one dense tensor, no compression."""
     _check_not_xla()
     return _lib.tf_mpi_allreduce(tensor, reduce_op=op, prescale_factor=prescale_factor,
-                                 postscale_factor=postscale_factor, tensor_name=_name(name))
+                                 postscale_factor=postscale_factor, tensor_name=_name(name),
+                                 process_set_id=process_set_id)
 
 
 def _resolve_op(op, average):
@@ -142,25 +143,27 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     """
     op = _resolve_op(op, average)
     _check_op(op)
-    _check_process_set(process_set, "allreduce")
+    set_id = _check_process_set(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         with _on_device(device_sparse):
-            return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
+            return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor, set_id)
     with _on_device(device_dense):
         tensor = tf.convert_to_tensor(tensor)
         compressed, ctx = compression.compress(tensor)
         if op == Adasum:
-            reduced = _adasum_allreduce([compressed], prescale_factor, postscale_factor, name)[0]
+            reduced = _adasum_allreduce([compressed], prescale_factor, postscale_factor, name, set_id)[0]
         else:
-            reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
+            reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name, set_id)
         return compression.decompress(reduced, ctx)
 
 
-def _adasum_allreduce(tensors, prescale_factor, postscale_factor, name):
+def _adasum_allreduce(tensors, prescale_factor, postscale_factor, name, process_set_id=0):
     """Adasum of each tensor over all ranks (tf_mpi.adasum), from one grouped allgather of them.
 
     Its gradient is the Adasum of the incoming gradients, as Horovod's allreduce gradient is
     the same reduction of the gradient."""
+    if process_set_id != 0:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
     for t in tensors:
         adasum.check_dtype(t.dtype)
     n = basics.size()
@@ -193,20 +196,22 @@ def _scale(x, factor):
     return tf.cast(tf.cast(x, tf.float64) * factor, x.dtype)
 
 
-def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor):
+def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor, process_set_id=0):
     if op == Adasum:
         raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a workaround "
                                   "please pass sparse_as_dense=True to DistributedOptimizer")
     if op not in (Average, Sum):
         raise NotImplementedError("tf_mpi: IndexedSlices can only be reduced with op=Average or op=Sum")
     prefix = "" if name is None else f"{name}."
-    values = allgather(slices.values, name=None if name is None else prefix + "values")
-    indices = allgather(slices.indices, name=None if name is None else prefix + "indices")
+    values = _allgather([slices.values], name=None if name is None else prefix + "values",
+                        process_set_id=process_set_id)[0]
+    indices = _allgather([slices.indices], name=None if name is None else prefix + "indices",
+                         process_set_id=process_set_id)[0]
     # Scale factors on IndexedSlices are a tf_mpi extension (Horovod raises NotImplementedError).
     values = _scale(values, prescale_factor * postscale_factor)
     if op == Average:
         # Horovod: true division by size(), so integer values become floating point.
-        values = values / tf.cast(basics.size(), values.dtype)
+        values = values / tf.cast(process_sets.set_size(process_set_id), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -226,7 +231,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     """
     op = _resolve_op(op, average)
     _check_op(op)
-    _check_process_set(process_set, "grouped_allreduce")
+    set_id = _check_process_set(process_set, "grouped_allreduce")
     tensors = list(tensors)
     if not tensors:
         return []
@@ -236,11 +241,11 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
         for i, t in enumerate(tensors):
             if isinstance(t, tf.IndexedSlices):
                 out[i] = _allreduce_indexed_slices(t, op, None if name is None else f"{name}.{i}",
-                                                   prescale_factor, postscale_factor)
+                                                   prescale_factor, postscale_factor, set_id)
     if dense_idx and op == Adasum:
         with _on_device(device_dense):
             pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
-            reduced = _adasum_allreduce([p[0] for p in pairs], prescale_factor, postscale_factor, name)
+            reduced = _adasum_allreduce([p[0] for p in pairs], prescale_factor, postscale_factor, name, set_id)
             for i, r, (_, ctx) in zip(dense_idx, reduced, pairs):
                 out[i] = compression.decompress(r, ctx)
     elif dense_idx:
@@ -249,7 +254,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
             pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
             reduced = _lib.tf_mpi_grouped_allreduce([p[0] for p in pairs], reduce_op=op,
                                                     prescale_factor=prescale_factor,
-                                                    postscale_factor=postscale_factor, tensor_name=_name(name))
+                                                    postscale_factor=postscale_factor, tensor_name=_name(name),
+                                                    process_set_id=set_id)
             for i, r, (_, ctx) in zip(dense_idx, reduced, pairs):
                 out[i] = compression.decompress(r, ctx)
     return out
@@ -262,9 +268,14 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
 
         hvd.allgather(tf.fill([hvd.rank() + 1], hvd.rank()))  # 2 ranks: [0, 1, 1]
     """
-    _check_process_set(process_set, "allgather")
+    set_id = _check_process_set(process_set, "allgather")
+    return _allgather([tf.convert_to_tensor(tensor)], name, set_id)[0]
+
+
+def _allgather(tensors, name=None, process_set_id=0):
+    """The raw op."""
     _check_not_xla()
-    return _lib.tf_mpi_allgather([tf.convert_to_tensor(tensor)], tensor_name=_name(name))[0]
+    return _lib.tf_mpi_allgather(tensors, tensor_name=_name(name), process_set_id=process_set_id)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
@@ -274,9 +285,15 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
         w = hvd.broadcast(w, root_rank=0)
     """
-    _check_process_set(process_set, "broadcast")
+    set_id = _check_process_set(process_set, "broadcast")
+    return _broadcast([tf.convert_to_tensor(tensor)], root_rank, name, set_id)[0]
+
+
+def _broadcast(tensors, root_rank, name=None, process_set_id=0):
+    """The raw op; ``root_rank`` is a global rank (Horovod's rule, also in process sets)."""
     _check_not_xla()
-    return _lib.tf_mpi_broadcast([tf.convert_to_tensor(tensor)], root_rank=root_rank, tensor_name=_name(name))[0]
+    return _lib.tf_mpi_broadcast(tensors, root_rank=process_sets.set_rank_of(process_set_id, root_rank),
+                                 tensor_name=_name(name), process_set_id=process_set_id)
 
 
 def grouped_broadcast(tensors, root_rank, name=None, ignore_name_scope=False, process_set=None):
@@ -287,12 +304,11 @@ def grouped_broadcast(tensors, root_rank, name=None, ignore_name_scope=False, pr
 
         values = hvd.grouped_broadcast([w.value() for w in model.weights], root_rank=0)
     """
-    _check_process_set(process_set, "grouped_broadcast")
+    set_id = _check_process_set(process_set, "grouped_broadcast")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    _check_not_xla()
-    return _lib.tf_mpi_broadcast(tensors, root_rank=root_rank, tensor_name=_name(name))
+    return _broadcast(tensors, root_rank, name, set_id)
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=None):
@@ -312,7 +328,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         # rank 0: [0, 0, 1, 1], counts [2, 2];  rank 1: [10, 11], counts [1, 1]
         same = hvd.alltoall(tf.constant([r, r]))  # equal split, tensor only: [0, 1] on both ranks
     """
-    _check_process_set(process_set, "alltoall")
+    set_id = _check_process_set(process_set, "alltoall")
     _check_not_xla()
     if splits is None:
         splits_t = tf.zeros([0], tf.int64)
@@ -321,7 +337,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         if not splits_t.dtype.is_integer:
             raise ValueError(f"tf_mpi: alltoall splits must be integers, got {splits_t.dtype.name}")
         splits_t = tf.cast(splits_t, tf.int64)
-    out, received = _lib.tf_mpi_alltoall(tf.convert_to_tensor(tensor), splits_t, tensor_name=_name(name))
+    out, received = _lib.tf_mpi_alltoall(tf.convert_to_tensor(tensor), splits_t, tensor_name=_name(name),
+                                         process_set_id=set_id)
     # The kernel counts rows in int64; Horovod's op outputs int32 received splits.
     return out if splits is None else (out, tf.cast(received, tf.int32))
 
@@ -341,7 +358,8 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     device_dense, op = _op_in_device_slot(device_dense, op)
     _check_process_set(process_set, "reducescatter")
     return grouped_reducescatter([tensor], device_dense=device_dense, compression=compression, op=op,
-                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor, name=name)[0]
+                                 process_set=process_set, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, name=name)[0]
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, process_set=None,
@@ -356,7 +374,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         a, b = hvd.grouped_reducescatter([tf.ones([4, 2]), tf.ones([2])], op=hvd.Sum)
     """
     device_dense, op = _op_in_device_slot(device_dense, op)
-    _check_process_set(process_set, "grouped_reducescatter")
+    set_id = _check_process_set(process_set, "grouped_reducescatter")
     if isinstance(op, bool) or op not in (Average, Sum):
         raise ValueError("tf_mpi: reducescatter supports op=Average or op=Sum")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
@@ -366,7 +384,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     with _on_device(device_dense):
         pairs = [compression.compress(t) for t in tensors]
         reduced = _lib.tf_mpi_reducescatter([p[0] for p in pairs], reduce_op=op, prescale_factor=prescale_factor,
-                                            postscale_factor=postscale_factor, tensor_name=_name(name))
+                                            postscale_factor=postscale_factor, tensor_name=_name(name),
+                                            process_set_id=set_id)
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
@@ -377,12 +396,11 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=N
 
         a, b = hvd.grouped_allgather([tf.ones([hvd.rank() + 1, 2]), tf.zeros([1])])
     """
-    _check_process_set(process_set, "grouped_allgather")
+    set_id = _check_process_set(process_set, "grouped_allgather")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    _check_not_xla()
-    return _lib.tf_mpi_allgather(tensors, tensor_name=_name(name))
+    return _allgather(tensors, name, set_id)
 
 
 def join():
@@ -441,25 +459,18 @@ def rank_op(name=None):
     return _lib.tf_mpi_rank(name=name)
 
 
-# Horovod's value for a process set id it does not know (HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET);
-# tf_mpi knows one set, the global one, id 0.
-_UNKNOWN_PROCESS_SET = -3
-
-
-def _for_process_set(process_set_id, global_value, name):
-    """``global_value`` (an int32 op) for the global set, Horovod's unknown-set code for any other id.
-    The unknown-set value is computed from ``global_value`` so that it, too, fails at run time
-    before ``init()`` (FailedPreconditionError), as Horovod's op does."""
-    if process_set_id == 0:
-        return tf.identity(global_value, name=name) if name else global_value
-    return tf.add(tf.zeros_like(global_value), _UNKNOWN_PROCESS_SET, name=name)
+def _for_process_set(global_value, value, name):
+    """``value`` (a Python int) as an int32 op that, like ``global_value``, fails at run time before
+    ``init()`` (FailedPreconditionError), as Horovod's op does."""
+    return tf.add(tf.zeros_like(global_value), value, name=name)
 
 
 def size_op(process_set_id=0, name=None):
-    """Number of ranks as an int32 scalar op, evaluated when the graph runs.
+    """Number of ranks (of process set ``process_set_id``) as an int32 scalar op, evaluated when the graph runs.
 
-    ``process_set_id`` is Horovod's: 0 is the global set (all ranks); tf_mpi
-    has no other, and answers Horovod's unknown-set code -3 for any other id.
+    ``process_set_id`` is Horovod's: 0 is the global set (all ranks); a
+    registered set answers its size (also on ranks outside it), an unknown id
+    Horovod's code -3.
 
     Example: ``mean = hvd.allreduce(x, op=hvd.Sum) / tf.cast(hvd.size_op(), x.dtype)``
     """
@@ -467,20 +478,21 @@ def size_op(process_set_id=0, name=None):
         process_set_id, name = 0, process_set_id
     if process_set_id == 0:
         return _lib.tf_mpi_size(name=name)
-    return _for_process_set(process_set_id, _lib.tf_mpi_size(), name)
+    if process_sets.included(process_set_id) == process_sets.UNKNOWN_SET:
+        return _for_process_set(_lib.tf_mpi_size(), process_sets.UNKNOWN_SET, name)
+    return _for_process_set(_lib.tf_mpi_size(), process_sets.set_size(process_set_id), name)
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    """1 if this rank belongs to process set ``process_set_id``, as an int32 scalar op.
+    """1 if this rank belongs to process set ``process_set_id``, else 0, as an int32 scalar op.
 
-    As Horovod's: 1 for the global set (id 0); Horovod's unknown-set code -3 for
-    any other id (tf_mpi has no other process sets); a FailedPreconditionError
-    when run before ``init()``.
+    As Horovod's: 1 for the global set (id 0); Horovod's unknown-set code -3
+    for an id that is not registered; a FailedPreconditionError when run before
+    ``init()``.
 
     Example: ``included = hvd.process_set_included_op()  # 1 on every rank``
     """
-    # tf_mpi_size runs only for its init check: every rank belongs to the global set.
-    return _for_process_set(process_set_id, tf.ones_like(_lib.tf_mpi_size()), name)
+    return _for_process_set(_lib.tf_mpi_size(), process_sets.included(process_set_id), name)
 
 
 def local_rank_op(name=None):
@@ -506,7 +518,7 @@ def local_size_op(name=None):
 @tf.RegisterGradient("TfMpiAllreduce")
 def _allreduce_grad(op, grad):
     return _allreduce(grad, op.get_attr("reduce_op"), op.get_attr("prescale_factor"),
-                      op.get_attr("postscale_factor"))
+                      op.get_attr("postscale_factor"), process_set_id=op.get_attr("process_set_id"))
 
 
 @tf.RegisterGradient("TfMpiGroupedAllreduce")
@@ -514,7 +526,8 @@ def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
     return _lib.tf_mpi_grouped_allreduce(grads, reduce_op=op.get_attr("reduce_op"),
                                          prescale_factor=op.get_attr("prescale_factor"),
-                                         postscale_factor=op.get_attr("postscale_factor"))
+                                         postscale_factor=op.get_attr("postscale_factor"),
+                                         process_set_id=op.get_attr("process_set_id"))
 
 
 def _differentiable(t):
@@ -532,6 +545,7 @@ def _upstream(grads, outputs):
 #   allgather:     allreduce(Average) of the upstream gradient, then this rank's rows;
 #   reducescatter: allgather of the upstream gradient, times size() for op=Sum.
 # Every rank submits the same collectives, whatever its rank (no rank-dependent branches).
+# Each runs in the process set of the forward op (size() and rank() are the set's).
 
 @tf.RegisterGradient("TfMpiAllgather")
 def _allgather_grad(op, *grads):
@@ -540,10 +554,11 @@ def _allgather_grad(op, *grads):
     out = [None] * len(xs)
     if not idx:
         return out
+    set_id = op.get_attr("process_set_id")
     upstream = _upstream([grads[i] for i in idx], [op.outputs[i] for i in idx])
-    averaged = _lib.tf_mpi_grouped_allreduce(upstream, reduce_op=Average)
-    rows = _lib.tf_mpi_allgather([tf.shape(xs[i], out_type=tf.int64)[:1] for i in idx])
-    me = rank_op()
+    averaged = _lib.tf_mpi_grouped_allreduce(upstream, reduce_op=Average, process_set_id=set_id)
+    rows = _lib.tf_mpi_allgather([tf.shape(xs[i], out_type=tf.int64)[:1] for i in idx], process_set_id=set_id)
+    me = rank_op() if set_id == 0 else process_sets.set_rank_of(set_id, basics.rank(), "rank")
     for i, g, r in zip(idx, averaged, rows):
         begin = tf.concat([[tf.reduce_sum(r[:me])], tf.zeros([tf.rank(g) - 1], tf.int64)], 0)
         out[i] = tf.slice(g, begin, tf.shape(xs[i], out_type=tf.int64))
@@ -555,17 +570,17 @@ def _alltoall_grad(op, grad, _):
     # Send each gradient row back to where its forward row came from.
     if grad is None:
         grad = tf.zeros_like(op.outputs[0])
-    back, _ = _lib.tf_mpi_alltoall(grad, op.outputs[1])
+    back, _ = _lib.tf_mpi_alltoall(grad, op.outputs[1], process_set_id=op.get_attr("process_set_id"))
     return back, None
 
 
 @tf.RegisterGradient("TfMpiReducescatter")
 def _reducescatter_grad(op, *grads):
-    reduce_op = op.get_attr("reduce_op")
+    reduce_op, set_id = op.get_attr("reduce_op"), op.get_attr("process_set_id")
     scale = op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
     if reduce_op == Sum:
-        scale *= basics.size()
-    gathered = _lib.tf_mpi_allgather(_upstream(grads, op.outputs))
+        scale *= process_sets.set_size(set_id)
+    gathered = _lib.tf_mpi_allgather(_upstream(grads, op.outputs), process_set_id=set_id)
     return [_scale(g, scale) for g in gathered]
 
 
@@ -576,9 +591,11 @@ def _broadcast_grad(op, *grads):
     out = [None] * len(xs)
     if not idx:
         return out
+    set_id = op.get_attr("process_set_id")
     averaged = _lib.tf_mpi_grouped_allreduce(_upstream([grads[i] for i in idx], [op.outputs[i] for i in idx]),
-                                             reduce_op=Average)
-    keep = basics.rank() == op.get_attr("root_rank")
+                                             reduce_op=Average, process_set_id=set_id)
+    root = op.get_attr("root_rank")   # the set's own rank of the root
+    keep = (basics.rank() == root) if set_id == 0 else process_sets.set_rank_of(set_id, basics.rank(), "rank") == root
     for i, g in zip(idx, averaged):
         # Multiplying (as Horovod does) keeps the allreduce a data input of what
         # the caller fetches, so graph optimisation cannot drop it on non-root ranks.

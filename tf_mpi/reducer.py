@@ -9,12 +9,15 @@ import warnings
 
 import tensorflow as tf
 
-from tf_mpi import backprop_order, basics, grouping, ops, sparse as sparse_gradients
+from tf_mpi import backprop_order, basics, grouping, ops, process_sets, sparse as sparse_gradients
 from tf_mpi.basics import Adasum, Average, Max, Min, Product, Sum
 from tf_mpi.compression import Compression
 
 # Reductions a gradient reducer passes to the allreduce (Horovod's tape takes any op).
 GRADIENT_OPS = (Average, Sum, Min, Max, Product, Adasum)
+# The grouping plan's cost model for gradients reduced in a process set: fixed, identical on
+# every rank, since the probe (tf_mpi.grouping.measure_cost_model) is a collective of all ranks.
+PROCESS_SET_COST_MODEL = grouping.CostModel(alpha=50e-6, beta=1e-9, overlap=0.0)
 # The attribute DistributedGradientTape sets on the gradients it returns (see mark_reduced).
 _REDUCED_MARK = "_tfmpi_reduced"
 
@@ -104,6 +107,11 @@ class GradientReducer:
       device_dense / device_sparse: Horovod's placement of the collectives of
         dense / IndexedSlices gradients (``tf.device``; '' leaves them where
         TensorFlow puts them), passed to ``tf_mpi.allreduce``.
+      process_set: reduce among the ranks of this registered tf_mpi.ProcessSet
+        only (None: all ranks); Average and the local-gradient scaling then use
+        its size. Its grouping plan uses a fixed cost model
+        (PROCESS_SET_COST_MODEL: the start-up probe runs on all ranks), and it
+        takes the sparse modes "allgather" / "dense" and no top-k.
 
     Example::
 
@@ -114,7 +122,9 @@ class GradientReducer:
     def __init__(self, name, op=Average, compression=Compression.none, sparse_as_dense=False,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None, threshold_bytes=None,
                  order_backprop=None, scale_local_gradients=True, device_dense="", device_sparse="",
-                 sparse=None):
+                 sparse=None, process_set=None):
+        self.process_set = process_set
+        self.set_id = basics._check_process_set(process_set, name)
         if op not in GRADIENT_OPS:
             raise ValueError(f"tf_mpi: gradients are reduced with op=Average, Sum, Min, Max, Product or Adasum; "
                              f"got {op!r}")
@@ -124,6 +134,12 @@ class GradientReducer:
         self.name, self.op, self.compression = name, op, compression
         self.sparse = sparse_gradients.resolve_mode(sparse, sparse_as_dense)
         self.sparse_as_dense = self.sparse == "dense"
+        if self.set_id != 0:
+            if self.sparse not in ("allgather", "dense"):
+                raise NotImplementedError(f"tf_mpi: sparse={self.sparse!r} runs on the global process set only; "
+                                          "use sparse='allgather' or 'dense' with process_set=")
+            if getattr(compression, "sparsifies", False):
+                raise NotImplementedError("tf_mpi: top-k compression runs on the global process set only")
         if op not in (Average, Sum):
             # tf_mpi's own sparse modes and top-k's error feedback are built on sums.
             if self.sparse not in ("allgather", "dense"):
@@ -150,24 +166,27 @@ class GradientReducer:
         """Marks `variable` as worker local: its gradient is not reduced (Horovod's model-parallel hook)."""
         self._local.add(variable_key(variable))
 
+    def _size(self):
+        return process_sets.set_size(self.set_id)
+
     def _scale_local(self, grad):
         if not self.scale_local_gradients:
             return grad
-        n = basics.size()
+        n = self._size()
         return map_gradient(grad, lambda v: v / tf.cast(n, v.dtype))
 
     def _scaling(self):
         """(op, prescale, postscale) for the grouped allreduces."""
         f = self.gradient_predivide_factor
         if self.op == Average and f != 1.0:
-            return Sum, 1.0 / f, f / basics.size()
+            return Sum, 1.0 / f, f / self._size()
         return self.op, 1.0, 1.0
 
     def _reduce_sparse(self, grad, name):
         """One IndexedSlices gradient, by self.sparse: allgathered (Horovod) or by tf_mpi.sparse."""
         if self.sparse == "allgather":
             return ops.allreduce(grad, op=self.op, name=name, compression=self.compression,
-                                 device_sparse=self.device_sparse)
+                                 device_sparse=self.device_sparse, process_set=self.process_set)
         op, prescale, postscale = self._scaling()
         scale = prescale * postscale / (basics.size() if op == Average else 1)
 
@@ -191,7 +210,7 @@ class GradientReducer:
         variables = list(variables)
         if residuals is not None:
             self._residuals = {variable_key(v): r for v, r in zip(variables, residuals)}
-        if basics.size() == 1:
+        if self._size() == 1:
             return grads
         if self._local:
             local = [i for i, v in enumerate(variables) if variable_key(v) in self._local]
@@ -227,7 +246,8 @@ class GradientReducer:
         for collective_name, members in self._planned_groups(out, dense, variables):
             reduced = ops.grouped_allreduce([out[i] for i in members], op=op, name=collective_name,
                                             prescale_factor=prescale, postscale_factor=postscale,
-                                            compression=self.compression, device_dense=self.device_dense)
+                                            compression=self.compression, device_dense=self.device_dense,
+                                            process_set=self.process_set)
             for i, r in zip(members, reduced):
                 out[i] = r
         return out
@@ -242,9 +262,10 @@ class GradientReducer:
 
     def _make_plan(self, tensors, variables):
         plan = grouping.make_plan(tensors, variables, threshold_bytes=self.threshold_bytes,
-                                  num_groups=self.num_groups, groups=self.groups, name=self.name)
+                                  num_groups=self.num_groups, groups=self.groups, name=self.name,
+                                  cost_model=PROCESS_SET_COST_MODEL if self.set_id != 0 else None)
         if plan.fingerprint not in self._verified:
-            grouping.verify_same_plan_everywhere(plan, self.name)
+            grouping.verify_same_plan_everywhere(plan, self.name, process_set_id=self.set_id)
             self._verified.add(plan.fingerprint)
         self.plan = plan
         return plan

@@ -57,10 +57,65 @@ Status AgreeOnSettings(const MpiContext& mpi, const Status& mine) {
                          " (set TF_MPI_* variables alike on every rank, e.g. mpirun -x NAME)");
 }
 
+// The process-set registry (locking rules: engine.h). A registered id maps to
+// its engine on members and to null elsewhere.
+std::mutex g_sets_mu;
+std::map<int, std::shared_ptr<Engine>> g_sets;
+
 }  // namespace
 
 Engine::Engine() = default;
 Engine::~Engine() = default;
+
+std::shared_ptr<Engine> Engine::ForSet(int id, bool* registered) {
+  if (id == 0) {
+    if (registered) *registered = true;
+    return std::shared_ptr<Engine>(&Get(), [](Engine*) {});  // the global engine is never freed
+  }
+  std::lock_guard<std::mutex> lock(g_sets_mu);
+  auto it = g_sets.find(id);
+  if (registered) *registered = it != g_sets.end();
+  return it == g_sets.end() ? nullptr : it->second;
+}
+
+Status Engine::AddSet(int id, const InitOptions& member_comm, bool member) {
+  if (id <= 0) return Status::Invalid("tf_mpi: process set ids start at 1");
+  if (!Get().initialized()) return Status::Precondition("tf_mpi has not been initialized; call tf_mpi.init() first");
+  {
+    std::lock_guard<std::mutex> lock(g_sets_mu);
+    if (g_sets.count(id)) return Status::Invalid("tf_mpi: process set " + std::to_string(id) + " exists already");
+  }
+  std::shared_ptr<Engine> engine;
+  if (member) {
+    engine.reset(new Engine());
+    InitOptions opts = member_comm;
+    opts.process_set = true;
+    if (Status s = engine->Init(opts); !s.ok()) return s;
+  }
+  std::lock_guard<std::mutex> lock(g_sets_mu);
+  g_sets[id] = std::move(engine);
+  return Status::OK();
+}
+
+bool Engine::RemoveSet(int id) {
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard<std::mutex> lock(g_sets_mu);
+    auto it = g_sets.find(id);
+    if (id == 0 || it == g_sets.end()) return false;
+    engine = std::move(it->second);
+    g_sets.erase(it);
+  }
+  if (engine) engine->Shutdown();
+  return true;
+}
+
+std::vector<int> Engine::SetIds() {
+  std::lock_guard<std::mutex> lock(g_sets_mu);
+  std::vector<int> ids{0};
+  for (const auto& [id, _] : g_sets) ids.push_back(id);
+  return ids;
+}
 
 Engine& Engine::Get() {
   // Leaked on purpose: a static destructor would run after MPI_Finalize and
@@ -83,7 +138,7 @@ Status Engine::Init(const InitOptions& opts) {
   // for this one forever; instead every rank learns of it below and fails.
   Status s = mpi_.Init(opts);
   if (!s.ok()) return settings.ok() ? s : settings;
-  SetLogRank(mpi_.rank());
+  if (!opts.process_set) SetLogRank(mpi_.rank());  // log lines name the global rank
   if (s = AgreeOnSettings(mpi_, settings); !s.ok()) {
     mpi_.Release();
     return s;
@@ -108,7 +163,7 @@ Status Engine::Init(const InitOptions& opts) {
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
   protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, hierarchical_, &stats_, &timeline_);
   initialized_ = true;
-  if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path) {
+  if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path && !opts.process_set) {
     s = StartTimeline(path);
     if (!s.ok()) LogWarning(s.message);
   }
@@ -140,8 +195,14 @@ Status Engine::StartTimeline(const std::string& path) {
   return Status::OK();
 }
 
-void Engine::Finalize() {
+void Engine::ShutdownAll() {
+  for (int id : SetIds())
+    if (id != 0) RemoveSet(id);
   Get().Shutdown();
+}
+
+void Engine::Finalize() {
+  ShutdownAll();
   MpiContext::FinalizeIfOwned();
 }
 

@@ -36,14 +36,22 @@
 //    set (stats: callbacks_under_lock, always 0 unless a bug).
 //  - initialized_ and gpu_device_ are atomics; mpi_, config_ and gpu_choice_
 //    are written only by Init, before the background thread starts.
+//  - Process sets (ids > 0): each set this rank belongs to has an Engine of
+//    its own, on the set's communicator, with its own thread, locks and
+//    negotiation, so sets never wait on each other. The registry (engine.cc:
+//    g_sets, under g_sets_mu) maps ids to engines; it is only held to look an
+//    engine up, add or remove one, never while an engine runs its protocol.
+//    Callers keep the shared_ptr for as long as they use the engine.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "env.h"
 #include "autotune.h"
@@ -59,7 +67,26 @@ namespace tfmpi {
 
 class Engine {
  public:
+  // Process sets' engines are freed once removed and no caller holds them
+  // (Shutdown first); the global one never is (Get).
+  ~Engine();
+
+  // The engine of the global set (id 0).
   static Engine& Get();
+  // The engine of process set `id` (0: the global one); null where `id` is
+  // not registered, or registered but this rank is not in it (`*registered`
+  // says which when given).
+  static std::shared_ptr<Engine> ForSet(int id, bool* registered = nullptr);
+  // Registers process set `id` (collective over the set's members, in the
+  // same order everywhere). Members pass the set's communicator in
+  // `member_comm` (has_comm; the engine duplicates it) and start an engine on
+  // it; other ranks (member false) only record that the id exists.
+  static Status AddSet(int id, const InitOptions& member_comm, bool member);
+  // Stops and forgets set `id` (collective over its members). False if unknown or 0.
+  static bool RemoveSet(int id);
+  static std::vector<int> SetIds();
+  // Stops every process set's engine, then the global one (what tf_mpi.shutdown() does).
+  static void ShutdownAll();
 
   // Collective over the chosen communicator. Idempotent while initialised.
   Status Init(const InitOptions& opts);
@@ -99,7 +126,6 @@ class Engine {
   using Completions = std::vector<Completion>;
 
   Engine();
-  ~Engine();
   void Loop();
   // One Step of the protocol with what callers queued (see Protocol::Step).
   bool RunProtocol(bool on_caller, bool* deferred);

@@ -24,6 +24,7 @@ struct InitOptions {
   bool has_comm = false;     // use `fortran_comm` (e.g. mpi4py's comm.py2f())
   MPI_Fint fortran_comm = 0;
   std::vector<int> ranks;    // else, if non-empty: these ranks of MPI_COMM_WORLD
+  bool process_set = false;  // an engine of a process set (engine.h), not the global one
 };
 
 class MpiContext {

@@ -21,6 +21,16 @@ namespace {
 
 Engine& E() { return Engine::Get(); }
 
+// The engine of process set `id` (0: the global set), with Horovod's errors where there is none.
+std::shared_ptr<Engine> SetEngine(int id) {
+  if (!E().initialized()) throw py::value_error("tf_mpi has not been initialized; call tf_mpi.init() first");
+  bool registered = false;
+  std::shared_ptr<Engine> e = Engine::ForSet(id, &registered);
+  if (!registered) throw py::value_error("Process set does not exist or has not been registered.");
+  if (!e) throw py::value_error("Process is not part of provided process set.");
+  return e;
+}
+
 void Raise(const Status& s) {
   if (s.ok()) return;
   if (s.code == StatusCode::kInvalidArgument) throw py::value_error(s.message);
@@ -160,15 +170,16 @@ std::unique_ptr<Request> MakeGpuRequest(CollectiveType type, const std::string& 
   return req;
 }
 
-// Submits one request and blocks (without the GIL) until it completes.
-void Run(std::unique_ptr<Request> req) {
+// Submits one request to process set `set` and blocks (without the GIL) until it completes.
+void Run(std::unique_ptr<Request> req, int set = 0) {
+  std::shared_ptr<Engine> engine = SetEngine(set);
   auto promise = std::make_shared<std::promise<Status>>();
   auto future = promise->get_future();
   req->done = [promise](const Status& s) { promise->set_value(s); };
   Status s;
   {
     py::gil_scoped_release release;
-    s = E().Enqueue(std::move(req));
+    s = engine->Enqueue(std::move(req));
     if (s.ok()) s = future.get();
   }
   Raise(s);
@@ -213,7 +224,7 @@ std::unique_ptr<Request> Prepare(CollectiveType type, const std::string& name, p
 
 // Allreduce or reducescatter of one array.
 py::object Reduce(CollectiveType type, py::object in, int op, const std::string& name, double prescale,
-                  double postscale) {
+                  double postscale, int set) {
   std::optional<CudaArrayView> gpu;
   auto req = Prepare(type, name, in, &gpu);
   req->meta.op = static_cast<ReduceOp>(op);
@@ -223,26 +234,29 @@ py::object Reduce(CollectiveType type, py::object in, int op, const std::string&
   if (type == CollectiveType::kReducescatter) {
     if (shape.empty()) throw py::value_error("tf_mpi: reducescatter needs an array with at least one dimension");
     // Rank r keeps rows [r * q + min(r, rem), ...): the first `rem` ranks get one more.
-    const int n = Ctx().size(), r = Ctx().rank();
+    const MpiContext& ctx = SetEngine(set)->mpi();
+    const int n = ctx.size(), r = ctx.rank();
     shape[0] = shape[0] / n + (r < shape[0] % n ? 1 : 0);
   }
   Output out = MakeOutput(in, gpu ? &*gpu : nullptr, shape);
   req->outputs.push_back(out.data);
-  Run(std::move(req));
+  Run(std::move(req), set);
   return out.array;
 }
 
-py::object Allreduce(py::object in, int op, const std::string& name, double prescale, double postscale) {
-  return Reduce(CollectiveType::kAllreduce, std::move(in), op, name, prescale, postscale);
+py::object Allreduce(py::object in, int op, const std::string& name, double prescale, double postscale, int set) {
+  return Reduce(CollectiveType::kAllreduce, std::move(in), op, name, prescale, postscale, set);
 }
 
-py::object Reducescatter(py::object in, int op, const std::string& name, double prescale, double postscale) {
-  return Reduce(CollectiveType::kReducescatter, std::move(in), op, name, prescale, postscale);
+py::object Reducescatter(py::object in, int op, const std::string& name, double prescale, double postscale,
+                         int set) {
+  return Reduce(CollectiveType::kReducescatter, std::move(in), op, name, prescale, postscale, set);
 }
 
 // One request for several arrays (all numpy, or all CUDA arrays on one GPU):
 // negotiated and fused as a unit, like TensorFlow's grouped allreduce.
-py::list GroupedAllreduce(py::list arrays, int op, const std::string& name, double prescale, double postscale) {
+py::list GroupedAllreduce(py::list arrays, int op, const std::string& name, double prescale, double postscale,
+                         int set) {
   if (arrays.size() == 0) throw py::value_error("tf_mpi: grouped_allreduce needs at least one array");
   std::unique_ptr<Request> req;
   py::list outs, inputs;  // `inputs` keeps contiguous copies alive until the collective ends
@@ -269,21 +283,22 @@ py::list GroupedAllreduce(py::list arrays, int op, const std::string& name, doub
   req->meta.op = static_cast<ReduceOp>(op);
   req->meta.prescale = prescale;
   req->meta.postscale = postscale;
-  Run(std::move(req));
+  Run(std::move(req), set);
   return outs;
 }
 
-py::object Broadcast(py::object in, int root, const std::string& name) {
+// `root` is relative to the set (the Python API translates Horovod's global root rank).
+py::object Broadcast(py::object in, int root, const std::string& name, int set) {
   std::optional<CudaArrayView> gpu;
   auto req = Prepare(CollectiveType::kBroadcast, name, in, &gpu);
   req->meta.root = root;
   Output out = MakeOutput(in, gpu ? &*gpu : nullptr, req->meta.tensors[0].shape);
   req->outputs.push_back(out.data);
-  Run(std::move(req));
+  Run(std::move(req), set);
   return out.array;
 }
 
-py::object Allgather(py::object in, const std::string& name) {
+py::object Allgather(py::object in, const std::string& name, int set) {
   std::optional<CudaArrayView> gpu;
   auto req = Prepare(CollectiveType::kAllgather, name, in, &gpu);
   // The output size is known only after negotiation, on the engine thread,
@@ -305,7 +320,7 @@ py::object Allgather(py::object in, const std::string& name) {
       }
       return (*holder)->data();
     };
-    Run(std::move(req));
+    Run(std::move(req), set);
     return py::cast(*holder);
   }
   const size_t elem = py::array(in).itemsize();
@@ -314,7 +329,7 @@ py::object Allgather(py::object in, const std::string& name) {
     buffer->resize(std::max<int64_t>(1, NumElements(s)) * elem);
     return buffer->data();
   };
-  Run(std::move(req));
+  Run(std::move(req), set);
   py::array out(py::array(in).dtype(), std::vector<py::ssize_t>(shape->begin(), shape->end()));
   std::memcpy(out.mutable_data(), buffer->data(), NumElements(*shape) * elem);
   return out;
@@ -340,7 +355,20 @@ PYBIND11_MODULE(_core, m) {
           }
           Raise(s);
         }, py::arg("fortran_comm") = py::none(), py::arg("ranks") = std::vector<int>{});
-  m.def("shutdown", [] { py::gil_scoped_release release; E().Shutdown(); });
+  m.def("shutdown", [] { py::gil_scoped_release release; Engine::ShutdownAll(); });
+  m.def("add_process_set", [](int id, std::optional<int64_t> fortran_comm) {
+          InitOptions opts;
+          if (fortran_comm) { opts.has_comm = true; opts.fortran_comm = static_cast<MPI_Fint>(*fortran_comm); }
+          Status s;
+          { py::gil_scoped_release release; s = Engine::AddSet(id, opts, fortran_comm.has_value()); }
+          Raise(s);
+        }, py::arg("process_set_id"), py::arg("fortran_comm") = py::none(),
+        "Registers process set `process_set_id`; members pass the set's communicator (collective over them).");
+  m.def("remove_process_set", [](int id) { py::gil_scoped_release release; return Engine::RemoveSet(id); },
+        py::arg("process_set_id"));
+  m.def("process_set_ids", [] { return Engine::SetIds(); });
+  m.def("process_set_rank", [](int id) { return SetEngine(id)->mpi().rank(); }, py::arg("process_set_id"));
+  m.def("process_set_size", [](int id) { return SetEngine(id)->mpi().size(); }, py::arg("process_set_id"));
   m.def("finalize", [] { py::gil_scoped_release release; Engine::Finalize(); });
   m.def("abort", [](int code) { Engine::Abort(code); });
   m.def("is_initialized", [] { return E().initialized(); });
@@ -448,12 +476,12 @@ PYBIND11_MODULE(_core, m) {
   }, "How GPU tensors reach MPI in this process: 'direct' (device pointers to a CUDA-aware MPI) or 'staged'\n"
      "(pinned host buffers, pipelined), the MPI's own answer (1, 0, -1: no query) and why.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("op"), py::arg("name"),
-        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
+        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0, py::arg("process_set_id") = 0);
   m.def("grouped_allreduce", &GroupedAllreduce, py::arg("arrays"), py::arg("op"), py::arg("name"),
-        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
+        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0, py::arg("process_set_id") = 0,
         "Allreduces several arrays as one negotiated, fused unit; returns the results in order.");
   m.def("reducescatter", &Reducescatter, py::arg("array"), py::arg("op"), py::arg("name"),
-        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0);
+        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0, py::arg("process_set_id") = 0);
   m.def("join", [] {
     auto req = std::make_unique<Request>();
     req->meta.name = kJoinName;
@@ -464,6 +492,7 @@ PYBIND11_MODULE(_core, m) {
     return *last;
   }, "Blocks until every rank has called join(); meanwhile this rank contributes zeros to the others' "
      "allreduces (and no rows to allgathers). Returns the last rank to join.");
-  m.def("allgather", &Allgather, py::arg("array"), py::arg("name"));
-  m.def("broadcast", &Broadcast, py::arg("array"), py::arg("root_rank"), py::arg("name"));
+  m.def("allgather", &Allgather, py::arg("array"), py::arg("name"), py::arg("process_set_id") = 0);
+  m.def("broadcast", &Broadcast, py::arg("array"), py::arg("root_rank"), py::arg("name"),
+        py::arg("process_set_id") = 0, "root_rank is the set's own rank of the root.");
 }

@@ -83,6 +83,7 @@ class CollectiveOp : public AsyncOpKernel {
   CollectiveOp(OpKernelConstruction* c, tfmpi::CollectiveType type)
       : AsyncOpKernel(c), type_(type), gpu_(c->device_type() == DeviceType(DEVICE_GPU)) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
     if (tensor_name_.empty()) tensor_name_ = name();
     if (type == tfmpi::CollectiveType::kAllreduce || type == tfmpi::CollectiveType::kReducescatter) {
       int op = 0;
@@ -110,9 +111,18 @@ class CollectiveOp : public AsyncOpKernel {
     req->meta.prescale = prescale_;
     req->meta.postscale = postscale_;
     req->meta.root = root_;
-    auto& engine = tfmpi::Engine::Get();
-    OP_REQUIRES_ASYNC(ctx, engine.initialized(),
+    OP_REQUIRES_ASYNC(ctx, tfmpi::Engine::Get().initialized(),
                       errors::FailedPrecondition("tf_mpi has not been initialized; call tf_mpi.init() first"), done);
+    bool registered = false;
+    std::shared_ptr<tfmpi::Engine> set_engine = tfmpi::Engine::ForSet(process_set_, &registered);
+    OP_REQUIRES_ASYNC(ctx, registered,
+                      errors::InvalidArgument(tfmpi::CollectiveName(type_), ": Process set provided does not exist, ",
+                                              "or has not been registered."), done);
+    OP_REQUIRES_ASYNC(ctx, set_engine != nullptr,
+                      errors::InvalidArgument(tfmpi::CollectiveName(type_), ": Rank ",
+                                              tfmpi::Engine::Get().mpi().rank(),
+                                              " is not a member of the provided process set."), done);
+    auto& engine = *set_engine;
     const bool alltoall = type_ == tfmpi::CollectiveType::kAlltoall;
     const int num_tensors = alltoall ? 1 : ctx->num_inputs();
     if (gpu_) {
@@ -195,7 +205,7 @@ class CollectiveOp : public AsyncOpKernel {
       ctx->SetStatus(ToTfStatus(s));
       done();
     };
-    OP_REQUIRES_OK_ASYNC(ctx, ToTfStatus(tfmpi::Engine::Get().Enqueue(std::move(req))), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ToTfStatus(engine.Enqueue(std::move(req))), done);
   }
 
  private:
@@ -205,6 +215,7 @@ class CollectiveOp : public AsyncOpKernel {
   tfmpi::ReduceOp op_ = tfmpi::ReduceOp::kSum;
   float prescale_ = 1.0f, postscale_ = 1.0f;
   int root_ = 0;
+  int process_set_ = 0;  // the engine to submit to (engine.h: process sets)
 };
 
 template <tfmpi::CollectiveType kType>

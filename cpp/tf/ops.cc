@@ -28,12 +28,14 @@ Status UnknownFirstDim(InferenceContext* c) {
 }  // namespace
 
 // The attributes every reducing collective shares (ReduceOp, the scale
-// factors fused into the reduction, the name ranks negotiate by).
+// factors fused into the reduction, the name ranks negotiate by, the process
+// set it runs in: engine.h). Every collective has the last two.
 #define TFMPI_REDUCTION_ATTRS                   \
   .Attr("reduce_op: int")                       \
       .Attr("prescale_factor: float = 1.0")     \
       .Attr("postscale_factor: float = 1.0")    \
-      .Attr("tensor_name: string = ''")
+      .Attr("tensor_name: string = ''")        \
+      .Attr("process_set_id: int = 0")
 
 REGISTER_OP("TfMpiAllreduce")
     .Attr("T: " TFMPI_REDUCE_TYPES)
@@ -54,6 +56,7 @@ REGISTER_OP("TfMpiGroupedAllreduce")
 REGISTER_OP("TfMpiAllgather")
     .Attr("T: list(" TFMPI_ALL_TYPES ")")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()
@@ -63,6 +66,7 @@ REGISTER_OP("TfMpiBroadcast")
     .Attr("T: list(" TFMPI_ALL_TYPES ")")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("outputs: T")
     .SetIsStateful()
@@ -71,6 +75,7 @@ REGISTER_OP("TfMpiBroadcast")
 REGISTER_OP("TfMpiAlltoall")
     .Attr("T: " TFMPI_ALL_TYPES)
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Input("splits: int64")  // empty: equal split
     .Output("output: T")

@@ -81,8 +81,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       groups: an integer > 0, reduce the gradients in that many groups of about equal bytes; or a list
         of lists of variables reduced together (the others form one more group). 0 or a negative
         number is a ValueError. None: tf_mpi's grouping by backprop order (tf_mpi.grouping).
-      process_set: only the global set (None, or Horovod's global_process_set), else
-        NotImplementedError: tf_mpi has no process sets; here for Horovod's positions.
+      process_set: a registered tf_mpi.ProcessSet: gradients are reduced among its ranks only
+        (Average divides by its size); None or global_process_set: all ranks.
       scale_local_gradients: divide the gradients of variables registered with
         ``register_local_var`` by size() (Horovod's default), or leave them as they are.
       order_backprop: make backprop produce each group's gradients before it starts on the layers
@@ -112,7 +112,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return _optimizer._distributed_optimizer(
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor,
         op, backward_passes_per_step, average_aggregated_gradients, groups, scale_local_gradients,
-        order_backprop, sparse)
+        order_backprop, sparse, process_set)
 
 
 def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",

@@ -233,7 +233,8 @@ def _distributed_class(base):
 def _distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="",
                            compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
                            op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
-                           groups=None, scale_local_gradients=True, order_backprop=None, sparse=None):
+                           groups=None, scale_local_gradients=True, order_backprop=None, sparse=None,
+                           process_set=None):
     """The distributed copy of `optimizer` behind both DistributedOptimizer entry points (arguments
     already checked by them; ``groups`` as returned by ``tf_mpi.reducer.check_groups``).
 
@@ -261,7 +262,7 @@ def _distributed_optimizer(optimizer, name=None, device_dense="", device_sparse=
                               gradient_predivide_factor=gradient_predivide_factor,
                               groups=groups, order_backprop=order_backprop,
                               scale_local_gradients=scale_local_gradients, device_dense=device_dense,
-                              device_sparse=device_sparse, sparse=sparse)
+                              device_sparse=device_sparse, sparse=sparse, process_set=process_set)
     wrapped._tfmpi_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
 
@@ -279,7 +280,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     ``use_locking`` is accepted and, as Horovod does for Keras optimizers,
     not used; ``gradient_predivide_factor`` with an op other than Average is
     a ValueError here (the Keras entry point ignores it, as Horovod's does).
-    ``process_set`` takes only the global set (tf_mpi has no process sets).
+    ``process_set``: gradients are reduced among that set's ranks only.
     Everything else is as in ``tf_mpi.keras.DistributedOptimizer``, which
     documents each argument; ``op`` and ``groups`` are honoured (Horovod's
     top level drops them when it hands a Keras optimizer to its Keras wrapper).
@@ -298,7 +299,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     groups = check_groups(num_groups, groups)
     return _distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                   gradient_predivide_factor, op, backward_passes_per_step,
-                                  average_aggregated_gradients, groups, scale_local_gradients, order_backprop, sparse)
+                                  average_aggregated_gradients, groups, scale_local_gradients, order_backprop, sparse,
+                                  process_set)
 
 
 def distributed_custom_objects():

@@ -6,8 +6,7 @@ formulas, numpy or mpi4py):
   (eager, tf.function, TF1 Session); the signatures of horovod.tensorflow and
   calls in Horovod's positional order; int32 alltoall received splits; the
   root's own object from broadcast_object; the `session` argument; gradients of
-  Min / Max / Product allreduces; process-set parameters and ops (global set
-  only); is_homogeneous, gloo_enabled, nccl_built, check_num_rank_power_of_2,
+  Min / Max / Product allreduces; process-set parameters and ops; is_homogeneous, gloo_enabled, nccl_built, check_num_rank_power_of_2,
   handle_average_backwards_compatibility; the timeline's ValueError before init().
 - optimizer_compat_worker.py: iterations with backward_passes_per_step, the
   Keras module's collectives, the positional order of both DistributedOptimizers,
@@ -22,6 +21,9 @@ formulas, numpy or mpi4py):
 - adasum_worker.py: op=hvd.Adasum (allreduce, grouped, scale factors, fp16,
   gradient, the tape) against a numpy reference of Horovod's recursion at
   np=2 and 4; the refusals (np=3: not a power of two; IndexedSlices; integers).
+- process_sets_worker.py: static and dynamic process sets at np=2 and 4 (even/odd
+  sets, a set of one rank, overlapping and disjoint sets), every collective and
+  gradient within a set against mpi4py-gathered inputs, Horovod's errors.
 
 One launch per worker and world size runs all of that worker's checks.
 """
@@ -39,6 +41,7 @@ WORKERS = {
     "keras_callbacks_compat_worker.py": ([2, 3], 420),
     "elastic_keras_compat_worker.py": ([2], 300),
     "adasum_worker.py": ([2, 3, 4], 240),
+    "process_sets_worker.py": ([2, 4], 300),
 }
 LAUNCHES = {worker: cached_launches(worker, ENV, timeout=limit) for worker, (_, limit) in WORKERS.items()}
 CASES = [(worker, np) for worker, (sizes, _) in WORKERS.items() for np in sizes]

@@ -27,6 +27,7 @@ Example (``mpirun -np 4 python train.py``)::
     mine = even if even.included() else odd
     total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, process_set=mine)   # [2.0]
 """
+import collections
 import os
 import threading
 
@@ -119,6 +120,7 @@ class _Registry:
         self._lock = threading.Lock()
         self._sets = {}
         self._next_id = 1
+        self._free_ids = collections.deque()   # removed ids, reused first-in first-out (as Horovod)
         self.dynamic = False
         self._base = None
 
@@ -126,6 +128,7 @@ class _Registry:
         with self._lock:
             self._sets.clear()
             self._next_id = 1
+            self._free_ids.clear()
             self.dynamic = False
             self._base = None
 
@@ -169,12 +172,15 @@ class _Registry:
         if self.id_of(ranks) is not None or ranks == list(range(size)):
             return None
         with self._lock:
-            set_id = self._next_id
-            self._next_id += 1
+            if self._free_ids:
+                set_id = self._free_ids.popleft()
+            else:
+                set_id = self._next_id
+                self._next_id += 1
+        base = self.base_comm()   # on every rank: its first call is a collective of all
         member = _core.rank() in ranks
         comm = None
-        if member:
-            base = self.base_comm()
+        if member:   # MPI_Comm_create_group: collective over the members only
             comm = base.Create_group(base.Get_group().Incl(ranks), tag=set_id)
         _core.add_process_set(set_id, None if comm is None else comm.py2f())
         if comm is not None:
@@ -189,6 +195,8 @@ class _Registry:
                 return False
             del self._sets[set_id]
         _core.remove_process_set(set_id)
+        with self._lock:
+            self._free_ids.append(set_id)
         return True
 
 
@@ -243,14 +251,19 @@ def init_process_sets(process_sets):
         set_id = _registry.id_of(ps.ranks)
         if set_id is None:
             set_id = _registry.add(ps.ranks)
-        if set_id is None or set_id in seen:   # the global set's ranks, or a duplicate
+        if set_id is None and ps.ranks == list(range(_core.size())):
+            set_id = 0   # the global set's ranks are the global set, which is always registered
+        if set_id in seen:   # a second entry for registered ranks (also the global set's): invalidated
             ps._invalidate()
-            if set_id is None and ps.ranks == list(range(_core.size())):
-                ps.process_set_id = 0
         else:
             ps.process_set_id = set_id
             seen.add(set_id)
     global_process_set.ranks = list(range(_core.size()))
+    # As Horovod: tf_mpi is initialized and the other sets registered; the duplicate is an error.
+    for i, ps in enumerate(process_sets):
+        if ps.process_set_id is None:
+            raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
+                             f"duplicate: {ps}")
 
 
 def add_process_set(process_set):

@@ -357,17 +357,20 @@ def check_collectives_take_horovods_positional_order():
     raises(lambda: hvd.allreduce(t, op=True), ValueError, "average=")
 
 
-# ---- process sets: only the global one ------------------------------------------
+# ---- process-set parameters: the global set by default, unknown sets refused --------
 
 class HorovodGlobalSet:
     process_set_id = 0  # what Horovod's hvd.global_process_set carries
 
 
 class OtherSet:
-    process_set_id = 1
+    process_set_id = 1   # no set was registered by this worker's init()
 
 
-def check_process_set_parameters_accept_only_the_global_set():
+def check_process_set_parameters_take_the_global_set_and_refuse_unregistered_ones():
+    """Horovod: process_set defaults to global_process_set (id 0); an id the core does not know is
+    "Process set provided does not exist, or has not been registered." (checked before any
+    communication, so every rank gets it)."""
     t = tf.constant([float(R)])
     calls = {
         "allreduce": lambda ps: hvd.allreduce(t, op=hvd.Sum, name="ps.ar", process_set=ps),
@@ -397,8 +400,8 @@ def check_process_set_parameters_accept_only_the_global_set():
             got = call(ps)
             got = got if got is None or isinstance(got, (int, list)) else np.asarray(got).tolist()
             assert got == want[name], (name, got, want[name])
-        raises(lambda: call(OtherSet()), NotImplementedError, f"{name}(process_set=...)", "init(comm=")
-    raises(lambda: hvd.init(process_sets=[OtherSet()]), NotImplementedError, "process_sets")
+        raises(lambda: call(OtherSet()), ValueError, "does not exist or has not been registered")
+    raises(lambda: hvd.init(process_sets=[OtherSet()]), ValueError, "ProcessSet")
 
 
 def check_process_set_ops_answer_as_horovods_for_the_global_set_only():

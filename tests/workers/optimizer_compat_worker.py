@@ -294,7 +294,7 @@ def check_distributed_optimizer_takes_horovods_positional_order():
     for fn in (hvd.DistributedOptimizer, hvdk.DistributedOptimizer):
         for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):  # Horovod's Keras optimizer: Average and Sum
             raises(lambda: fn(sgd(1.0), op=op), ValueError, "op=Average or op=Sum")
-        raises(lambda: fn(sgd(1.0), process_set=object()), NotImplementedError, "global process set")
+        raises(lambda: fn(sgd(1.0), process_set=object()), ValueError, "not registered")
         fn(sgd(1.0), process_set=GLOBAL_SET)  # Horovod's global_process_set: accepted
 
 
@@ -414,8 +414,8 @@ def check_tape_takes_horovods_positional_order_and_use_generic_names():
 
     raises(lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0),
            ValueError, "gradient_predivide_factor")
-    raises(lambda: hvd.DistributedGradientTape(tf.GradientTape(), process_set=object()), NotImplementedError,
-           "global process set")
+    raises(lambda: hvd.DistributedGradientTape(tf.GradientTape(), process_set=object()), ValueError,
+           "not registered")
     hvd.DistributedGradientTape(tf.GradientTape(), process_set=GLOBAL_SET)
 
 

@@ -62,7 +62,9 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from example_utils import import_tensorflow_quietly  # noqa: E402
+
+tf = import_tensorflow_quietly()
 
 # One compute thread per rank: with N ranks on a machine, N threads keep the
 # cores busy; more would compete for them. (Set it before TensorFlow runs any

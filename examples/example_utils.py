@@ -1,5 +1,5 @@
 """Small helpers the example programs share: rank-aware logging, the common command-line
-flags, checkpoint state files, the replica check (weight digests), the LSTM text classifier
+flags, TensorFlow's import without its start-up notices, checkpoint state files, the replica check (weight digests), the LSTM text classifier
 and figure boilerplate. The benchmarks (benchmarks/) use some of them too.
 
 The examples import it as a sibling module (``python examples/<name>.py``
@@ -11,6 +11,47 @@ use the others.
 import hashlib
 import json
 import os
+import sys
+import tempfile
+
+
+# What TensorFlow's C++ runtime prints on every rank while `import tensorflow` runs (oneDNN, absl's
+# pre-initialisation warning, the CPU-feature notice). It is written before TF_CPP_MIN_LOG_LEVEL
+# applies to it, so setting that variable does not hide it.
+_TENSORFLOW_STARTUP_NOTICES = ("All log messages before absl::InitializeLog()", "oneDNN custom operations are on",
+                               "cpu_feature_guard", "To enable the following instructions:")
+
+
+def import_tensorflow_quietly():
+    """``import tensorflow`` without TensorFlow's start-up notices on stderr; returns the module.
+
+    Everything else written to stderr during the import (warnings, errors, a
+    traceback) is passed on unchanged. ``TF_CPP_MIN_LOG_LEVEL=0`` asks for
+    TensorFlow's whole log, notices included: nothing is filtered then.
+
+    Example::
+
+        tf = import_tensorflow_quietly()
+    """
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0" or "tensorflow" in sys.modules:
+        import tensorflow
+        return tensorflow
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)   # the C++ runtime writes to file descriptor 2, not sys.stderr
+        try:
+            import tensorflow
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines
+                                     if not any(n in line for n in _TENSORFLOW_STARTUP_NOTICES)))
+            sys.stderr.flush()
+    return tensorflow
 
 
 def rank_logger(rank, verbose):

@@ -153,6 +153,8 @@ def split_args(argv):
             np, i = int(a.split("=", 1)[1]), i + 1
             continue
         width = 1 if ("=" in a or a in FLAG_OPTIONS) else 3 if a in TWO_VALUE_OPTIONS else 2
+        if "--" in argv[i + 1:i + width]:   # "--" is never a value: an unknown flag before it
+            width = 1
         if i + width > len(argv):
             raise ValueError(f"{a} needs {width - 1} value(s)")
         options += argv[i:i + width]

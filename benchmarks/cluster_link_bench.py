@@ -1,0 +1,192 @@
+"""The link between two pretend hosts (tests/cluster.py) against what MPI and tf_mpi get out of it.
+
+Run (as root, from the repository root; it brings up and tears down its own cluster)::
+
+    python benchmarks/cluster_link_bench.py --rates unlimited,1gbit --rounds 3
+
+Per link rate, each round launches (through ``python -m tf_mpi.run --host ...``):
+
+- 1 rank per host: a plain TCP socket's 4 KiB round trip and one-way bandwidth (64 MiB
+  stream, TCP_NODELAY) between the hosts, then MPI's 4 KiB Send/Recv round trip;
+- 2 ranks per host (``--map-by node``, the idle ranks in a barrier): TCP and MPI round trips
+  again (tests/workers/launch_worker.py ``pingpong``, the program tests/test_launch.py uses);
+- 2 ranks per host: a 16 MiB float32 Sum allreduce through tf_mpi's engine
+  (``tf_mpi._core.allreduce``, no TensorFlow), flat and with ``TF_MPI_HIERARCHICAL=1``, in
+  one launch (engine re-initialised between the two, their order alternating per round),
+  5 timed calls each after a checked warm-up; a call's time is the slowest rank's.
+
+It prints medians and spreads (min-max over rounds) and the ratios against the targets, and
+writes everything to benchmarks/results/cluster_link_<rate>.json.
+
+Link model for the allreduce bound: S = 16 MiB per rank, B = the measured one-way TCP
+bandwidth. Flat over 4 ranks, 2 per host, a ring's two cross-host edges each carry
+2(n-1)/n * S = 1.5 S per direction (reduce-scatter + allgather), so bound = 1.5 S / B.
+Hierarchical: only the 2 host leaders cross the link, a 2-rank allreduce: 2(h-1)/h * S = S per
+direction, bound = S / B. Target: time <= 1.5 x bound.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+PINGPONG = os.path.join(ROOT, "tests", "workers", "launch_worker.py")
+MiB = 1 << 20
+ALLREDUCE_BYTES = 16 * MiB
+STREAM_BYTES = 64 * MiB
+
+
+# -- worker modes (run on the ranks) -------------------------------------------
+def worker_tcp_bandwidth():
+    """Rank 0 streams STREAM_BYTES to rank 1 (on the other host) over a plain socket."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.rank == 1:
+        server = socket.create_server((socket.gethostbyname(socket.gethostname()), 0))
+        comm.send(server.getsockname(), dest=0)
+        conn, _ = server.accept()
+        view, got = memoryview(bytearray(1 * MiB)), 0
+        while got < STREAM_BYTES:
+            got += conn.recv_into(view)
+        conn.sendall(b"k")
+    else:
+        conn = socket.create_connection(comm.recv(source=1))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        chunk = bytes(1 * MiB)
+        t = time.perf_counter()
+        for _ in range(STREAM_BYTES // len(chunk)):
+            conn.sendall(chunk)
+        conn.recv(1)
+        print("BENCH " + json.dumps({"tcp_bytes_per_s": STREAM_BYTES / (time.perf_counter() - t)}), flush=True)
+    conn.close()
+    comm.Barrier()
+
+
+def worker_allreduce(round_index, calls=5):
+    """Flat and hierarchical 16 MiB allreduces through tf_mpi's engine (order alternates by round)."""
+    from tf_mpi import basics
+    from tf_mpi.basics import _core
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    n_elems = ALLREDUCE_BYTES // 4
+    times = {}
+    for mode in (("0", "1") if round_index % 2 == 0 else ("1", "0")):
+        os.environ["TF_MPI_HIERARCHICAL"] = mode
+        basics.init()
+        rank, size = _core.rank(), _core.size()
+        data = np.full(n_elems, rank + 1, np.float32)
+        got = _core.allreduce(data, int(basics.Sum), f"warm.{mode}")
+        assert np.all(got == size * (size + 1) / 2), "allreduce result wrong"
+        samples = []
+        for i in range(calls):
+            _core.allreduce(np.ones(1, np.float32), int(basics.Sum), f"sync.{mode}.{i}")
+            t = time.perf_counter()
+            _core.allreduce(data, int(basics.Sum), f"big.{mode}.{i}")
+            samples.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        times["hierarchical" if mode == "1" else "flat"] = statistics.median(samples)
+        comm.Barrier()
+        _core.shutdown()
+    if comm.rank == 0:
+        print("BENCH " + json.dumps(times), flush=True)
+
+
+# -- driver ---------------------------------------------------------------------
+def launch(cluster, slots, program, timeout=300):
+    """Runs program on 2 hosts x slots ranks through tf_mpi.run; the parsed BENCH/LAUNCH lines of rank 0."""
+    from mpi_harness import launch_env, run_bounded
+    cmd = cluster.command([sys.executable, "-m", "tf_mpi.run", "-np", str(2 * slots),
+                           "--host", cluster.host_list(slots), "--map-by", "node", "python"] + program)
+    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, cluster.env(launch_env()))
+    if rc != 0 or timed_out:
+        raise RuntimeError(f"launch failed (rc={rc}, timed_out={timed_out}):\n{output[-3000:]}")
+    found = {}
+    for line in output.splitlines():
+        for tag in ("BENCH ", "LAUNCH "):
+            if line.startswith(tag):
+                record = json.loads(line[len(tag):])
+                if record.get("rank", 0) == 0:
+                    found.update(record)
+    return found
+
+
+def one_round(cluster, index):
+    me = os.path.abspath(__file__)
+    r = {}
+    one = launch(cluster, 1, [PINGPONG, "pingpong"])
+    r["tcp_rtt_us_1x1"], r["mpi_rtt_us_1x1"] = one["tcp_us"], one["mpi_us"]
+    r["tcp_bytes_per_s"] = launch(cluster, 1, [me, "--worker", "tcp_bandwidth"])["tcp_bytes_per_s"]
+    two = launch(cluster, 2, [PINGPONG, "pingpong"])
+    r["tcp_rtt_us_2x2"], r["mpi_rtt_us_2x2"] = two["tcp_us"], two["mpi_us"]
+    ar = launch(cluster, 2, [me, "--worker", "allreduce", "--round", str(index)])
+    r["allreduce_s_flat"], r["allreduce_s_hierarchical"] = ar["flat"], ar["hierarchical"]
+    return r
+
+
+def summarize(rounds):
+    keys = rounds[0].keys()
+    med = {k: statistics.median(r[k] for r in rounds) for k in keys}
+    spread = {k: [min(r[k] for r in rounds), max(r[k] for r in rounds)] for k in keys}
+    bw = med["tcp_bytes_per_s"]
+    bounds = {"flat": 1.5 * ALLREDUCE_BYTES / bw, "hierarchical": 1.0 * ALLREDUCE_BYTES / bw}
+    ratios = {
+        "mpi_over_tcp_rtt_1x1": med["mpi_rtt_us_1x1"] / med["tcp_rtt_us_1x1"],
+        "mpi_over_tcp_rtt_2x2": med["mpi_rtt_us_2x2"] / med["tcp_rtt_us_2x2"],
+        "allreduce_over_bound_flat": med["allreduce_s_flat"] / bounds["flat"],
+        "allreduce_over_bound_hierarchical": med["allreduce_s_hierarchical"] / bounds["hierarchical"],
+    }
+    targets = {"mpi_over_tcp_rtt_1x1": 3, "mpi_over_tcp_rtt_2x2": 10,
+               "allreduce_over_bound_flat": 1.5, "allreduce_over_bound_hierarchical": 1.5}
+    return {"median": med, "spread_min_max": spread, "link_bound_s": bounds, "ratios": ratios,
+            "targets": targets, "met": {k: ratios[k] <= targets[k] for k in ratios}}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="unlimited,1gbit", help="comma-separated tc rates ('unlimited': none)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefix", default="lan")
+    p.add_argument("--net", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--worker", choices=["tcp_bandwidth", "allreduce"])
+    p.add_argument("--round", type=int, default=0)
+    a = p.parse_args()
+    if a.worker == "tcp_bandwidth":
+        return worker_tcp_bandwidth()
+    if a.worker == "allreduce":
+        return worker_allreduce(a.round)
+    from cluster import Cluster
+    for rate in a.rates.split(","):
+        limit = None if rate == "unlimited" else rate
+        with Cluster(hosts=2, slots=2, rate=limit, prefix=a.prefix, net=a.net) as c:
+            rounds = []
+            for i in range(a.rounds):
+                rounds.append(one_round(c, i))
+                print(f"[{rate}] round {i + 1}: " + json.dumps({k: round(v, 6) for k, v in rounds[-1].items()}),
+                      flush=True)
+        s = summarize(rounds)
+        m, q = s["median"], s["ratios"]
+        print(f"== link {rate}: TCP {m['tcp_bytes_per_s'] / 1e6:.0f} MB/s, TCP RTT {m['tcp_rtt_us_1x1']:.1f} us")
+        print(f"   MPI 4 KiB RTT 1/host {m['mpi_rtt_us_1x1']:.1f} us ({q['mpi_over_tcp_rtt_1x1']:.2f}x TCP, target 3x); "
+              f"2/host {m['mpi_rtt_us_2x2']:.1f} us ({q['mpi_over_tcp_rtt_2x2']:.2f}x TCP {m['tcp_rtt_us_2x2']:.1f} us, "
+              f"target 10x)")
+        for mode in ("flat", "hierarchical"):
+            print(f"   16 MiB allreduce 2x2 {mode}: {m['allreduce_s_' + mode]:.3f} s, link bound "
+                  f"{s['link_bound_s'][mode]:.3f} s ({q['allreduce_over_bound_' + mode]:.2f}x, target 1.5x)")
+        record = {"command": " ".join(["python", "benchmarks/cluster_link_bench.py"] + sys.argv[1:]),
+                  "rate": rate, "host": socket.gethostname(), "cpus": os.cpu_count(),
+                  "load_avg_at_end": os.getloadavg(), "rounds": rounds, **s}
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"cluster_link_{rate}.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

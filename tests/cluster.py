@@ -39,6 +39,7 @@ CAP_NET_ADMIN), ``ip`` (iproute2), ``unshare`` (util-linux) and, for a rate,
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -70,7 +71,8 @@ def unavailable_reason(need_rate=False):
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         return f"pretend hosts need {', '.join(missing)} (iproute2 / util-linux) on PATH"
-    probe = f"{DEFAULT_PREFIX}-probe{os.getpid()}"
+    _remove_stale_probes()
+    probe = f"{PROBE_PREFIX}{os.getpid()}"
     r = _run(["ip", "netns", "add", probe], check=False)
     if r.returncode != 0:
         return f"cannot create a network namespace ({r.stdout.strip()}): needs CAP_SYS_ADMIN"
@@ -81,6 +83,17 @@ def unavailable_reason(need_rate=False):
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+PROBE_PREFIX = f"{DEFAULT_PREFIX}-probe"
+
+
+def _remove_stale_probes():
+    """Probe namespaces of processes that died between creating and removing them."""
+    for ns in _namespaces():
+        m = re.fullmatch(re.escape(PROBE_PREFIX) + r"(\d+)", ns)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _run(["ip", "netns", "del", ns], check=False)
 
 
 def _cpus_variable(host):
@@ -102,6 +115,12 @@ class Cluster:
     def __init__(self, hosts=2, slots=2, rate=None, prefix=DEFAULT_PREFIX, net=0):
         if not 1 <= hosts <= 16:
             raise ValueError("hosts must be 1..16")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,31}", prefix):
+            # Names become files (/run/netns, /etc/netns) and, with '-' as '_', environment
+            # variable names (TF_MPI_CLUSTER_CPUS_<host>).
+            raise ValueError(f"prefix must be a letter then up to 31 letters, digits, '_' or '-': {prefix!r}")
+        if not 0 <= net <= 255:
+            raise ValueError("net must be 0..255")
         self.prefix, self.slots, self.rate, self.net = prefix, slots, rate, net
         self.hosts = [f"{prefix}-h{i + 1}" for i in range(hosts)]
         self.switch = f"{prefix}-sw"
@@ -132,11 +151,11 @@ class Cluster:
                 cfg = json.load(f)
         except (OSError, ValueError):
             return None
-        return cls(cfg["hosts"], cfg["slots"], cfg["rate"], prefix)
+        return cls(cfg["hosts"], cfg["slots"], cfg["rate"], prefix, cfg.get("net", 0))
 
     def _create(self):
         with open(self._state_file, "w") as f:
-            json.dump({"hosts": len(self.hosts), "slots": self.slots, "rate": self.rate}, f)
+            json.dump({"hosts": len(self.hosts), "slots": self.slots, "rate": self.rate, "net": self.net}, f)
         sw = self.switch
         _run(["ip", "netns", "add", sw])
         _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
@@ -180,16 +199,22 @@ class Cluster:
         port = f"p{self.hosts.index(host) + 1}"
         _run(["ip", "-n", self.switch, "link", "set", port, "up" if up else "down"])
 
+    def _is_mine(self, name):
+        """A namespace or /etc/netns entry of this prefix: "<prefix>-sw" or "<prefix>-h<N>", any N
+        (an earlier cluster of this prefix may have had more hosts)."""
+        return name == self.switch or re.fullmatch(re.escape(self.prefix) + r"-h\d+", name) is not None
+
     def down(self):
-        """Removes every namespace, link, hosts file and process of this prefix. Idempotent."""
-        mine = [ns for ns in _namespaces() if ns == self.switch or ns.startswith(self.prefix + "-h")]
+        """Removes every namespace, link, hosts file and process of this prefix, and nothing of
+        another prefix. Idempotent."""
+        mine = [ns for ns in _namespaces() if self._is_mine(ns)]
         for ns in mine:
             self.kill_host(ns)
         for ns in mine:
             _run(["ip", "netns", "del", ns], check=False)   # deletes its veth ends with it
         if os.path.isdir("/etc/netns"):
             for name in os.listdir("/etc/netns"):
-                if name.startswith(self.prefix + "-h"):
+                if self._is_mine(name):
                     shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
         if os.path.exists(self._state_file):
             os.remove(self._state_file)
@@ -249,11 +274,17 @@ class Cluster:
             return allowed[i * per:(i + 1) * per]
         return [allowed[i % len(allowed)]]       # more hosts than cores: hosts share a core
 
-    def env(self, base=None):
+    def env(self, base=None, clean_remote_env=False):
         """The environment for :meth:`command`: Open MPI's ssh agent set to :data:`AGENT`,
-        and each host's CPU share for the agent (TF_MPI_CLUSTER_CPUS_<host>)."""
+        and each host's CPU share for the agent (TF_MPI_CLUSTER_CPUS_<host>).
+
+        clean_remote_env: processes started on the other hosts get a login's environment, as
+        through a real ssh, rather than a copy of the launcher's: what the ranks need must be
+        passed with ``mpirun -x NAME``. (Ranks on the first host share mpirun's, as on a real
+        cluster.)"""
         env = dict(os.environ if base is None else base)
         env["PRTE_MCA_plm_ssh_agent"] = AGENT
+        env["TF_MPI_CLUSTER_CLEAN_ENV"] = "1" if clean_remote_env else "0"
         for h in self.hosts:
             env[_cpus_variable(h)] = ",".join(map(str, self.cpus(h)))
         # Open MPI takes every host to have the launching host's topology and binds each
@@ -274,12 +305,13 @@ def main(argv=None):
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--rate", default=None, help="tc rate per link, e.g. 1gbit (default unlimited)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--net", type=int, default=0, help="third octet of the hosts' 10.231.NET.0/24 addresses")
     p.add_argument("--host", default=None, help="run: the host to run on (default the first)")
     p.epilog = "run: python tests/cluster.py run [--host H] -- COMMAND..."
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    c = Cluster(a.hosts, a.slots, a.rate, a.prefix)
+    c = Cluster(a.hosts, a.slots, a.rate, a.prefix, a.net)
     if a.action == "run":
         c = Cluster.existing(a.prefix)
         if c is None:

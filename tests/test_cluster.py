@@ -1,0 +1,129 @@
+"""tf_mpi across pretend hosts: separate network stacks joined by a bridge (tests/cluster.py),
+launched as on a real cluster with ``python -m tf_mpi.run -np N --host ... / --hostfile ...``
+and an ssh stand-in that starts remote processes with a login's environment (what a rank on
+another host needs travels with ``-x``; tf_mpi.run forwards every TF_MPI_* variable itself).
+
+Launches (prefix "xh", addresses 10.231.7.0/24; one cluster of 2 hosts for the module):
+
+  A. 2 hosts x 2 ranks, --hostfile, with TensorFlow: every check of tests/workers/cluster_worker.py
+     (node detection, every collective and dtype, hierarchical vs flat, negotiation messages,
+     model.fit against one model on all the data, a timeline with every host's ranks).
+  B. 2 hosts x 3 ranks, --host, array API only: the node, collective, hierarchical and
+     negotiation checks at a size where the tree is not the star and node shards are uneven.
+  C. 2 + 1 ranks (hosts of unequal size), --host, array API only: is_homogeneous() False,
+     TF_MPI_HIERARCHICAL=1 falls back to the flat path with the same bits.
+  D. examples/imdb_lstm.py (synthetic corpus, 1 epoch) on 2 hosts x 2 ranks, --host.
+
+Needs root (network namespaces); skipped with the reason otherwise.
+"""
+import json
+import os
+import re
+import sys
+import tempfile
+
+import pytest
+
+import cluster
+from mpi_harness import WORKERS, ExampleRun, MpiRun, assert_check, check_names, launch_env, run_bounded
+
+PREFIX, NET = "xh", 7
+WORKER = "cluster_worker.py"
+CHECKS = check_names(WORKER)
+ARRAY_CHECKS = [c for c in CHECKS if not c.startswith("check_tf_")]
+# A collective some ranks never reach fails after 60 s rather than hanging until the launch's limit.
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60",
+       "TF_MPI_OVERLAP": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+# Not TF_MPI_*: what the ranks on the other host need besides, passed as a user would (-x).
+FORWARD = ("TF_CPP_MIN_LOG_LEVEL", "PYTHONUNBUFFERED")
+EXAMPLE_ARGS = ["--synthetic", "--train-samples", "3000", "--test-samples", "600", "--maxlen", "50",
+                "--batch-size", "50", "--vocab", "5000", "--epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def bed():
+    reason = cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with cluster.Cluster(hosts=2, slots=3, prefix=PREFIX, net=NET) as c:
+        yield c
+
+
+def tf_mpi_run(c, np, where, program, env, timeout, cwd):
+    """``python -m tf_mpi.run -np N <where> -x ... program`` started on the first host, bounded."""
+    forward = [a for name in FORWARD for a in ("-x", name)]
+    argv = [sys.executable, "-m", "tf_mpi.run", "-np", str(np), *where, *forward, "--", *program]
+    return run_bounded(c.command(argv), timeout, c.env(launch_env(env), clean_remote_env=True), cwd=cwd)
+
+
+def launch_worker(c, np, where, with_tf, hosts, only=None, timeout=240):
+    """cluster_worker.py on np ranks; hosts: the ``h1:S,h2:S`` layout the worker expects."""
+    out = tempfile.mkdtemp(prefix="tfmpi_cluster_")
+    env = {**ENV, "TF_MPI_TEST_OUT": out, "TF_MPI_TEST_TF": "1" if with_tf else "0", "TF_MPI_TEST_HOSTS": hosts}
+    if only:
+        env["TF_MPI_TEST_ONLY"] = ",".join(only)
+    rc, output, elapsed, timed_out = tf_mpi_run(c, np, where, [sys.executable, os.path.join(WORKERS, WORKER)],
+                                                env, timeout, cwd=out)
+    results = {}
+    for name in os.listdir(out):
+        m = re.match(r"rank(\d+)\.json$", name)
+        if m:
+            with open(os.path.join(out, name)) as f:
+                results[int(m.group(1))] = json.load(f)
+    return MpiRun(rc, output, results, elapsed, timed_out)
+
+
+_runs = {}
+
+
+def run(c, key):
+    """Each launch once per module (cached by key)."""
+    if key not in _runs:
+        h1, h2 = c.hosts
+        if key == "2x2 hostfile":
+            hostfile = c.write_hostfile(os.path.join(tempfile.mkdtemp(prefix="tfmpi_cluster_"), "hosts"), slots=2)
+            _runs[key] = launch_worker(c, 4, ["--hostfile", hostfile], True, f"{h1}:2,{h2}:2")
+        elif key == "2x3 host":
+            _runs[key] = launch_worker(c, 6, ["--host", f"{h1}:3,{h2}:3"], False, f"{h1}:3,{h2}:3", ARRAY_CHECKS)
+        elif key == "2+1 host":
+            _runs[key] = launch_worker(c, 3, ["--host", f"{h1}:2,{h2}:1"], False, f"{h1}:2,{h2}:1", ARRAY_CHECKS)
+        elif key == "example":
+            workdir = tempfile.mkdtemp(prefix="tfmpi_cluster_example_")
+            script = os.path.join(os.path.dirname(WORKERS), os.pardir, "examples", "imdb_lstm.py")
+            _runs[key] = ExampleRun(*tf_mpi_run(c, 4, ["--host", f"{h1}:2,{h2}:2"],
+                                                [sys.executable, os.path.abspath(script), *EXAMPLE_ARGS],
+                                                {"TF_CPP_MIN_LOG_LEVEL": "3"}, 300, cwd=workdir))
+    return _runs[key]
+
+
+LAUNCHES = {"2x2 hostfile": (4, CHECKS), "2x3 host": (6, ARRAY_CHECKS), "2+1 host": (3, ARRAY_CHECKS)}
+
+
+@pytest.mark.parametrize("key", list(LAUNCHES))
+def test_launch_exits_cleanly(bed, key):
+    run(bed, key).assert_clean_exit()
+
+
+@pytest.mark.parametrize("key,check", [(k, c) for k, (_, checks) in LAUNCHES.items() for c in checks])
+def test_across_hosts(bed, key, check):
+    assert_check(run(bed, key), LAUNCHES[key][0], check)
+
+
+def test_keras_example_across_hosts(bed):
+    r = run(bed, "example")
+    r.assert_ok()
+    res = r.result
+    assert (res["ranks"], res["train_samples_per_rank"], res["epochs_run"]) == (4, 750, 1), res
+    assert res["weights_identical"] and res["optimizer_state_identical"], res
+    # Synthetic reviews with a learnable sentiment: one epoch on 4 ranks gets 0.66 here; chance is 0.5.
+    assert res["val_accuracy"] > 0.6, res
+
+
+def test_teardown_leaves_nothing(bed):
+    """A second cluster of another prefix comes and goes without touching this one."""
+    other = cluster.Cluster(hosts=2, slots=1, prefix=PREFIX + "2", net=NET + 1)
+    with other:
+        assert set(other.hosts) <= set(cluster._namespaces())
+    left = [ns for ns in cluster._namespaces() if ns.startswith(PREFIX + "2-")]
+    assert not left and not os.path.exists(f"/etc/netns/{other.hosts[0]}"), left
+    assert set(bed.hosts) | {bed.switch} <= set(cluster._namespaces())

@@ -21,14 +21,17 @@ safe to rerun after a crash.
 By hand (as root)::
 
     python tests/cluster.py up --hosts 2 --slots 2 --rate 1gbit
-    python tests/cluster.py run -- mpirun --host tfmpi-h1:2,tfmpi-h2:2 -np 4 \\
+    python tests/cluster.py run -- python -m tf_mpi.run -np 4 --host tfmpi-h1:2,tfmpi-h2:2 \\
         python examples/imdb_lstm.py --synthetic
     python tests/cluster.py down
 
 In code::
 
     with Cluster(hosts=2, slots=2) as c:
-        subprocess.run(c.command(["mpirun", "--host", c.host_list(), "-np", "4", "hostname"]))
+        subprocess.run(c.command([sys.executable, "-m", "tf_mpi.run", "-np", "4", "--host", c.host_list(),
+                                  "hostname"]), env=c.env(clean_remote_env=True))
+
+docs/pretend-hosts.md describes the test bed for users.
 
 What the kernel does not offer here: added latency (``netem`` is not in this
 kernel), so links differ only in rate. Requirements: root (CAP_SYS_ADMIN and
@@ -322,7 +325,8 @@ def main(argv=None):
         return 1 if reason else 0
     if a.action == "up":
         c.up()
-        print(f"hosts: {c.host_list()}  (python tests/cluster.py run -- CMD runs CMD on {c.hosts[0]})")
+        again = "" if a.prefix == DEFAULT_PREFIX else f" --prefix {a.prefix}"
+        print(f"hosts: {c.host_list()}  (python tests/cluster.py run{again} -- CMD runs CMD on {c.hosts[0]})")
         return 0
     if a.action == "down":
         c.down()

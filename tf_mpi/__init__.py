@@ -18,7 +18,7 @@ The public API (``__all__``, what ``from tf_mpi import *`` binds):
   ``cross_rank``, ``cross_size``, ``is_homogeneous``,
   ``mpi_threads_supported``, ``mpi_enabled``, ``mpi_built``,
   ``gloo_enabled``, ``gloo_built``, ``nccl_built``, ``ccl_built``,
-  ``ddl_built``, ``rocm_built``, ``cuda_built``, ``start_timeline``,
+  ``ddl_built``, ``rocm_built``, ``cuda_built``, ``sycl_built``, ``gpu_available``, ``start_timeline``,
   ``stop_timeline``, ``join``, ``handle_average_backwards_compatibility``,
   ``check_num_rank_power_of_2``; ``Compression``; the collectives
   ``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``,
@@ -56,6 +56,7 @@ _API = {
         "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
         "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
         "gloo_enabled", "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built",
+        "sycl_built", "gpu_available",
         "mpi_built_with_cuda_support", "gpu_transport",
         "start_timeline", "stop_timeline",
         "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
@@ -77,14 +78,17 @@ _API = {
     "keras.sync_batch_norm": ("SyncBatchNormalization",),
 }
 _ORIGIN = {name: module for module, names in _API.items() for name in names}
+# Horovod's hvd._executing_eagerly: reachable, not exported.
+_ORIGIN["_executing_eagerly"] = "util"
 
 # Modules of the public API (Horovod has ``hvd.elastic``; ``data`` and ``grouping`` are tf_mpi's).
 _API_MODULES = ("data", "grouping", "elastic")
 # Implementation modules: reachable as attributes (``tf_mpi.ops``, ``tf_mpi.basics._core``), as they
 # were when the package imported everything eagerly, but not exported.
-_SUBMODULES = (*_API_MODULES, "basics", "compression", "functions", "gradient_tape", "ops", "reducer", "_core")
+_SUBMODULES = (*_API_MODULES, "basics", "compression", "functions", "gradient_tape", "ops", "reducer", "_core",
+               "mpi_ops", "util")  # the last two at Horovod's module paths (horovod.tensorflow.mpi_ops, .util)
 
-__all__ = [*_ORIGIN, *_API_MODULES]
+__all__ = [name for name in _ORIGIN if not name.startswith("_")] + list(_API_MODULES)
 
 
 def __getattr__(name):

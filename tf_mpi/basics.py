@@ -84,7 +84,7 @@ def init(comm=None, process_sets=None):
         raise TypeError(f"init(comm=...) takes None, an mpi4py communicator or a list of ranks, not {type(comm)}")
     _install_excepthook()
     from tf_mpi import process_sets as _process_sets
-    _process_sets.init_process_sets(process_sets)
+    _process_sets.init_process_sets(process_sets, comm)
 
 
 def _install_excepthook():
@@ -308,6 +308,27 @@ def ccl_built():
     return False
 
 
+def sycl_built():
+    """False: tf_mpi has no SYCL (Intel GPU) part (Horovod after 0.28.1 asks this in its tests).
+
+    Example: ``hvd.sycl_built()  # False``
+    """
+    return False
+
+
+def gpu_available(ext_base_name, verbose=False):
+    """Horovod's ``gpu_available('tensorflow')``: whether tf_mpi can run collectives on GPU tensors
+    here (its CUDA part is built and TensorFlow sees a GPU). ``ext_base_name`` is accepted for
+    Horovod's signature; tf_mpi has one extension.
+
+    Example: ``hvd.gpu_available("tensorflow")  # False on a CPU-only machine``
+    """
+    if not cuda_built():
+        return False
+    import tensorflow as tf
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
 def ddl_built():
     """False: IBM DDL is not part of tf_mpi.
 
@@ -403,6 +424,28 @@ def check_num_rank_power_of_2(num_rank):
     Example: ``hvd.check_num_rank_power_of_2(hvd.size())  # True on 1, 2, 4, 8 ... ranks``
     """
     return num_rank != 0 and (num_rank & (num_rank - 1)) == 0
+
+
+def _get_process_set_ids_and_ranks():
+    """Horovod's internal view of the process-set table: ``{process_set_id: [global ranks]}``,
+    the global set (0) included.
+
+    Example: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()  # {0: [0, 1, 2, 3], 1: [0, 2]}``
+    """
+    _require_init()
+    from tf_mpi import process_sets
+    return process_sets.ids_and_ranks()
+
+
+def _comm_process_set_id(comm):
+    """The id of the registered process set whose ranks are those of mpi4py communicator ``comm``
+    (0 for a duplicate of the global communicator); ValueError if none is.
+
+    Example: ``hvd.mpi_ops._basics._comm_process_set_id(MPI.COMM_WORLD)  # 0``
+    """
+    _require_init()
+    from tf_mpi import process_sets
+    return process_sets.comm_set_id(comm)
 
 
 def _check_process_set(process_set, function):

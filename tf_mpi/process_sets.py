@@ -122,6 +122,7 @@ class _Registry:
         self._next_id = 1
         self._free_ids = collections.deque()   # removed ids, reused first-in first-out (as Horovod)
         self.dynamic = False
+        self.started = False   # init() registered its sets (Horovod registers them once per start)
         self._base = None
 
     def reset(self):
@@ -130,7 +131,12 @@ class _Registry:
             self._next_id = 1
             self._free_ids.clear()
             self.dynamic = False
+            self.started = False
             self._base = None
+
+    def table(self):
+        with self._lock:
+            return {set_id: list(ranks) for set_id, ranks in sorted(self._sets.items())}
 
     def ranks(self, set_id):
         with self._lock:
@@ -163,12 +169,14 @@ class _Registry:
             self._base = world
         return self._base
 
-    def add(self, ranks):
-        """Registers `ranks` (sorted global ranks) collectively; returns the id, None if a duplicate."""
+    def add(self, ranks, agree=True):
+        """Registers `ranks` (sorted global ranks) collectively; returns the id, None if a duplicate.
+        ``agree=False``: the caller has checked that every rank registers the same sets."""
         size = _core.size()
         if not ranks or ranks[0] < 0 or ranks[-1] >= size or len(set(ranks)) != len(ranks):
             raise ValueError(f"tf_mpi: a process set lists distinct ranks of 0..{size - 1}; got {ranks}")
-        _agree_everywhere(ranks)
+        if agree:
+            _agree_everywhere(ranks)
         if self.id_of(ranks) is not None or ranks == list(range(size)):
             return None
         with self._lock:
@@ -220,50 +228,98 @@ def _dynamic_from_env():
     return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")
 
 
-def init_process_sets(process_sets):
-    """Called by init(): registers the sets of ``init(process_sets=...)`` (a list, None or "dynamic")."""
-    _registry.reset()
+def _comm_ranks(comm):
+    """The global ranks of mpi4py communicator ``comm``, sorted (local: no communication)."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD.Get_group()
+    group = comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+    finally:
+        group.Free()
+        world.Free()
+    return sorted(ranks)
+
+
+def _sets_to_register(process_sets):
+    """The rank lists init() registers, in Horovod's order: first every set the communicators of
+    the entries built from one form (for each such entry, the distinct sets of all ranks, sorted),
+    then the entries built from ranks, in list order."""
+    via_comm = [ps for ps in process_sets if ps.ranks is None and ps.mpi_comm is not None]
+    result = []
+    if via_comm:
+        base = _registry.base_comm()   # collective over all ranks, as is the allgather below
+        for ps in via_comm:
+            result += sorted({tuple(r) for r in base.allgather(_comm_ranks(ps.mpi_comm))})
+    result += [tuple(ps.ranks) for ps in process_sets if ps.ranks is not None]
+    return [list(r) for r in result]
+
+
+def init_process_sets(process_sets, comm=None):
+    """Called by init(): registers the sets of ``init(process_sets=...)`` (a list, None or "dynamic").
+
+    As Horovod's init(), the sets are registered once per start of tf_mpi: a later init() without
+    a shutdown() in between registers nothing and only gives the listed objects the ids of the
+    registered sets with their ranks. An entry whose set another entry (or the global set) has
+    already is invalidated and makes init() raise ValueError, after the others got their ids."""
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
             raise ValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic'; got {process_sets!r}")
-        _registry.dynamic = True
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"   # as Horovod, which reads it at its first init()
         process_sets = []
-    _registry.dynamic = _registry.dynamic or _dynamic_from_env()
     process_sets = list(process_sets or [])
     for ps in process_sets:
         if not isinstance(ps, ProcessSet):
             raise ValueError(f"init(process_sets=...) takes ProcessSet objects; got {ps!r}")
-    via_comm = [ps for ps in process_sets if ps.ranks is None]
-    if via_comm:
-        # Each rank's communicator makes one set: learn every rank's set, then register them all.
-        base = _registry.base_comm()
-        for ps in via_comm:
-            ps.ranks = sorted(ps.mpi_comm.allgather(_core.rank()))
-        all_lists = base.allgather([ps.ranks for ps in via_comm])
+    if comm is not None and not isinstance(comm, (list, tuple)):
+        global_process_set.mpi_comm = comm
+    if not _registry.started:
+        _registry.reset()
+        _registry.dynamic = _dynamic_from_env()
+        wanted = _sets_to_register(process_sets)
+        _agree_everywhere(wanted)   # also the number of sets: Horovod fails init() when ranks differ
+        everyone = list(range(_core.size()))
+        for ranks in wanted:
+            if ranks != everyone and _registry.id_of(ranks) is None:
+                _registry.add(ranks, agree=False)
+        _registry.started = True
+    table = ids_and_ranks()
+    ids = {tuple(ranks): set_id for set_id, ranks in table.items()}
     seen = {0}
-    for i, ps in enumerate(process_sets):
-        if ps in via_comm:
-            k = via_comm.index(ps)
-            # Every rank registers every distinct set its peers' communicators formed, in rank order.
-            for ranks in sorted({tuple(lists[k]) for lists in all_lists}):
-                if _registry.id_of(list(ranks)) is None:
-                    _registry.add(list(ranks))
-        set_id = _registry.id_of(ps.ranks)
-        if set_id is None:
-            set_id = _registry.add(ps.ranks)
-        if set_id is None and ps.ranks == list(range(_core.size())):
-            set_id = 0   # the global set's ranks are the global set, which is always registered
-        if set_id in seen:   # a second entry for registered ranks (also the global set's): invalidated
+    for ps in process_sets:
+        if ps.ranks is not None:
+            if tuple(ps.ranks) not in ids:
+                raise KeyError(f"tf_mpi: init() was already called; the process set {ps} was not registered then "
+                               "(shutdown() first, or add it with add_process_set)")
+            ps.process_set_id = ids[tuple(ps.ranks)]
+        else:
+            ps.process_set_id = comm_set_id(ps.mpi_comm)
+            ps.ranks = list(table[ps.process_set_id])
+        if ps.process_set_id in seen:   # a second entry for registered ranks (also the global set's)
             ps._invalidate()
         else:
-            ps.process_set_id = set_id
-            seen.add(set_id)
-    global_process_set.ranks = list(range(_core.size()))
-    # As Horovod: tf_mpi is initialized and the other sets registered; the duplicate is an error.
+            seen.add(ps.process_set_id)
+    global_process_set.ranks = table[0]
     for i, ps in enumerate(process_sets):
         if ps.process_set_id is None:
             raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
                              f"duplicate: {ps}")
+
+
+def ids_and_ranks():
+    """``{process_set_id: [global ranks]}`` of every registered set, the global set (0) included."""
+    return {0: list(range(_core.size())), **_registry.table()}
+
+
+def comm_set_id(comm):
+    """The id of the registered set with the ranks of mpi4py communicator ``comm``; ValueError if none."""
+    ranks = _comm_ranks(comm)
+    if ranks == list(range(_core.size())):
+        return 0
+    set_id = _registry.id_of(ranks)
+    if set_id is None:
+        raise ValueError("MPI communicator does not correspond to any registered process set.")
+    return set_id
 
 
 def add_process_set(process_set):

@@ -245,14 +245,15 @@ class Cluster:
     def address(self, host):
         return f"10.231.{self.net}.{self.hosts.index(host) + 1}"
 
-    def host_list(self, slots=None):
-        """``h1:S,h2:S,...`` for ``mpirun --host``."""
-        return ",".join(f"{h}:{slots or self.slots}" for h in self.hosts)
+    def host_list(self, slots=None, hosts=None):
+        """``h1:S,h2:S,...`` for ``mpirun --host``: every host, or the first ``hosts`` of them."""
+        return ",".join(f"{h}:{slots or self.slots}" for h in self.hosts[:hosts])
 
-    def write_hostfile(self, path, slots=None):
-        """An Open MPI hostfile (``h1 slots=S`` per line) for ``mpirun --hostfile``."""
+    def write_hostfile(self, path, slots=None, hosts=None):
+        """An Open MPI hostfile (``h1 slots=S`` per line) for ``mpirun --hostfile``: every host,
+        or the first ``hosts`` of them."""
         with open(path, "w") as f:
-            f.writelines(f"{h} slots={slots or self.slots}\n" for h in self.hosts)
+            f.writelines(f"{h} slots={slots or self.slots}\n" for h in self.hosts[:hosts])
         return path
 
     def command(self, argv, host=None):

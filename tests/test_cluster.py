@@ -3,7 +3,8 @@ launched as on a real cluster with ``python -m tf_mpi.run -np N --host ... / --h
 and an ssh stand-in that starts remote processes with a login's environment (what a rank on
 another host needs travels with ``-x``; tf_mpi.run forwards every TF_MPI_* variable itself).
 
-Launches (prefix "xh", addresses 10.231.7.0/24; one cluster of 2 hosts for the module):
+Launches (prefix "xh", addresses 10.231.7.0/24; one cluster of 4 hosts for the module, most
+launches on the first 2):
 
   A. 2 hosts x 2 ranks, --hostfile, with TensorFlow: every check of tests/workers/cluster_worker.py
      (node detection, every collective and dtype, hierarchical vs flat, negotiation messages,
@@ -12,7 +13,8 @@ Launches (prefix "xh", addresses 10.231.7.0/24; one cluster of 2 hosts for the m
      negotiation checks at a size where the tree is not the star and node shards are uneven.
   C. 2 + 1 ranks (hosts of unequal size), --host, array API only: is_homogeneous() False,
      TF_MPI_HIERARCHICAL=1 falls back to the flat path with the same bits.
-  D. examples/imdb_lstm.py (synthetic corpus, 1 epoch) on 2 hosts x 2 ranks, --host.
+  D. 4 hosts x 1 rank, --host, array API only: every message crosses hosts; no hierarchical path.
+  E. examples/imdb_lstm.py (synthetic corpus, 1 epoch) on 2 hosts x 2 ranks, --host.
 
 Needs root (network namespaces); skipped with the reason otherwise.
 """
@@ -51,7 +53,7 @@ def bed():
     reason = cluster.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    with cluster.Cluster(hosts=2, slots=3, prefix=PREFIX, net=NET) as c:
+    with cluster.Cluster(hosts=4, slots=3, prefix=PREFIX, net=NET) as c:
         yield c
 
 
@@ -85,14 +87,18 @@ _runs = {}
 def run(c, key):
     """Each launch once per module (cached by key)."""
     if key not in _runs:
-        h1, h2 = c.hosts
+        h1, h2 = c.hosts[:2]
         if key == "2x2 hostfile":
-            hostfile = c.write_hostfile(os.path.join(tempfile.mkdtemp(prefix="tfmpi_cluster_"), "hosts"), slots=2)
-            _runs[key] = launch_worker(c, 4, ["--hostfile", hostfile], True, f"{h1}:2,{h2}:2")
+            hostfile = c.write_hostfile(os.path.join(tempfile.mkdtemp(prefix="tfmpi_cluster_"), "hosts"), slots=2,
+                                        hosts=2)
+            _runs[key] = launch_worker(c, 4, ["--hostfile", hostfile], True, c.host_list(slots=2, hosts=2))
         elif key == "2x3 host":
             _runs[key] = launch_worker(c, 6, ["--host", f"{h1}:3,{h2}:3"], False, f"{h1}:3,{h2}:3", ARRAY_CHECKS)
         elif key == "2+1 host":
             _runs[key] = launch_worker(c, 3, ["--host", f"{h1}:2,{h2}:1"], False, f"{h1}:2,{h2}:1", ARRAY_CHECKS)
+        elif key == "4x1 host":
+            hosts = c.host_list(slots=1)
+            _runs[key] = launch_worker(c, 4, ["--host", hosts], False, hosts, ARRAY_CHECKS)
         elif key == "example":
             workdir = tempfile.mkdtemp(prefix="tfmpi_cluster_example_")
             script = os.path.join(os.path.dirname(WORKERS), os.pardir, "examples", "imdb_lstm.py")
@@ -103,7 +109,8 @@ def run(c, key):
     return _runs[key]
 
 
-LAUNCHES = {"2x2 hostfile": (4, CHECKS), "2x3 host": (6, ARRAY_CHECKS), "2+1 host": (3, ARRAY_CHECKS)}
+LAUNCHES = {"2x2 hostfile": (4, CHECKS), "2x3 host": (6, ARRAY_CHECKS), "2+1 host": (3, ARRAY_CHECKS),
+            "4x1 host": (4, ARRAY_CHECKS)}
 
 
 @pytest.mark.parametrize("key", list(LAUNCHES))

@@ -44,6 +44,7 @@ ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "60", "TF_MPI_STALL_SHUTDOWN_TIME_SECO
        "TF_MPI_OVERLAP": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
 # Not TF_MPI_*: what the ranks on the other host need besides, passed as a user would (-x).
 FORWARD = ("TF_CPP_MIN_LOG_LEVEL", "PYTHONUNBUFFERED")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "imdb_lstm.py")
 EXAMPLE_ARGS = ["--synthetic", "--train-samples", "3000", "--test-samples", "600", "--maxlen", "50",
                 "--batch-size", "50", "--vocab", "5000", "--epochs", "1"]
 
@@ -81,36 +82,42 @@ def launch_worker(c, np, where, with_tf, hosts, only=None, timeout=240):
     return MpiRun(rc, output, results, elapsed, timed_out)
 
 
+# Worker launches: name -> (ranks per host, in host order; how the hosts are given; with TensorFlow).
+LAUNCHES = {
+    "2x2 hostfile": ((2, 2), "--hostfile", True),
+    "2x3 host": ((3, 3), "--host", False),
+    "2+1 host": ((2, 1), "--host", False),
+    "4x1 host": ((1, 1, 1, 1), "--host", False),
+}
 _runs = {}
 
 
 def run(c, key):
-    """Each launch once per module (cached by key)."""
-    if key not in _runs:
-        h1, h2 = c.hosts[:2]
-        if key == "2x2 hostfile":
-            hostfile = c.write_hostfile(os.path.join(tempfile.mkdtemp(prefix="tfmpi_cluster_"), "hosts"), slots=2,
-                                        hosts=2)
-            _runs[key] = launch_worker(c, 4, ["--hostfile", hostfile], True, c.host_list(slots=2, hosts=2))
-        elif key == "2x3 host":
-            _runs[key] = launch_worker(c, 6, ["--host", f"{h1}:3,{h2}:3"], False, f"{h1}:3,{h2}:3", ARRAY_CHECKS)
-        elif key == "2+1 host":
-            _runs[key] = launch_worker(c, 3, ["--host", f"{h1}:2,{h2}:1"], False, f"{h1}:2,{h2}:1", ARRAY_CHECKS)
-        elif key == "4x1 host":
-            hosts = c.host_list(slots=1)
-            _runs[key] = launch_worker(c, 4, ["--host", hosts], False, hosts, ARRAY_CHECKS)
-        elif key == "example":
-            workdir = tempfile.mkdtemp(prefix="tfmpi_cluster_example_")
-            script = os.path.join(os.path.dirname(WORKERS), os.pardir, "examples", "imdb_lstm.py")
-            _runs[key] = ExampleRun(*tf_mpi_run(c, 4, ["--host", f"{h1}:2,{h2}:2"],
-                                                [sys.executable, os.path.abspath(script), *EXAMPLE_ARGS],
-                                                {"TF_CPP_MIN_LOG_LEVEL": "3"}, 300, cwd=workdir))
-        print(f"launch {key}: {_runs[key].elapsed:.1f}s")   # shown with -s, and with a failing test
+    """Each launch once per module: a worker launch of LAUNCHES, or "example"."""
+    if key in _runs:
+        return _runs[key]
+    if key == "example":
+        workdir = tempfile.mkdtemp(prefix="tfmpi_cluster_example_")
+        _runs[key] = ExampleRun(*tf_mpi_run(c, 4, ["--host", c.host_list(slots=2, hosts=2)],
+                                            [sys.executable, EXAMPLE, *EXAMPLE_ARGS],
+                                            {"TF_CPP_MIN_LOG_LEVEL": "3"}, 300, cwd=workdir))
+    else:
+        slots, how, with_tf = LAUNCHES[key]
+        hosts = ",".join(f"{h}:{n}" for h, n in zip(c.hosts, slots))
+        if how == "--hostfile":
+            where = os.path.join(tempfile.mkdtemp(prefix="tfmpi_cluster_"), "hosts")
+            with open(where, "w") as f:
+                f.writelines(f"{h} slots={n}\n" for h, n in zip(c.hosts, slots))
+        else:
+            where = hosts
+        _runs[key] = launch_worker(c, sum(slots), [how, where], with_tf, hosts,
+                                   None if with_tf else ARRAY_CHECKS)
+    print(f"launch {key}: {_runs[key].elapsed:.1f}s")   # shown with -s, and with a failing test
     return _runs[key]
 
 
-LAUNCHES = {"2x2 hostfile": (4, CHECKS), "2x3 host": (6, ARRAY_CHECKS), "2+1 host": (3, ARRAY_CHECKS),
-            "4x1 host": (4, ARRAY_CHECKS)}
+def checks_of(key):
+    return CHECKS if LAUNCHES[key][2] else ARRAY_CHECKS
 
 
 @pytest.mark.parametrize("key", list(LAUNCHES))
@@ -118,9 +125,9 @@ def test_launch_exits_cleanly(bed, key):
     run(bed, key).assert_clean_exit()
 
 
-@pytest.mark.parametrize("key,check", [(k, c) for k, (_, checks) in LAUNCHES.items() for c in checks])
+@pytest.mark.parametrize("key,check", [(k, c) for k in LAUNCHES for c in checks_of(k)])
 def test_across_hosts(bed, key, check):
-    assert_check(run(bed, key), LAUNCHES[key][0], check)
+    assert_check(run(bed, key), sum(LAUNCHES[key][0]), check)
 
 
 def test_keras_example_across_hosts(bed):

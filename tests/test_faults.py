@@ -1,10 +1,15 @@
 """A rank lost in the middle of model.fit at np=3 (tests/workers/fault_worker.py):
-SIGKILL, an uncaught exception, sys.exit(1). Every process of the job must
-have exited within 30 s of the fault, the launch must end non-zero, and the
-output must name rank 1. The three launches run at the same time (each one is
-mostly TensorFlow's start-up)."""
+SIGKILL, an uncaught exception, sys.exit(1), sys.exit(0). The launch must end
+non-zero, the output must name rank 1, and every process of the job (the three
+ranks and mpirun) must have exited within LIMIT_S of the fault: measured from
+the time rank 1 writes just before the fault to the moment a watcher polling
+/proc (every 10 ms) sees the last of them gone. On an idle 2-core machine that
+is 0.1-1 s (docs/reliability.md); LIMIT_S leaves room for a loaded CI machine.
+The four launches run at the same time (each one is mostly TensorFlow's
+start-up)."""
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -12,19 +17,54 @@ import time
 
 import pytest
 
-from mpi_harness import WORKERS, launch_env, mpirun_command, run_bounded
+from mpi_harness import WORKERS, launch_env, mpirun_command
 
-FAULTS = ["kill", "raise", "exit"]
-LIMIT_S = 30
+FAULTS = ["kill", "raise", "exit", "exit0"]
+LIMIT_S = 5
+LAUNCH_TIMEOUT_S = 240
 _runs = {}
+
+
+def alive(pid):
+    """Whether `pid` still runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _launch(fault):
     out = tempfile.mkdtemp(prefix=f"tfmpi_fault_{fault}_")
     cmd = mpirun_command(3, [sys.executable, os.path.join(WORKERS, "fault_worker.py"), fault])
-    rc, output, elapsed, timed_out = run_bounded(cmd, 240, launch_env({"TF_MPI_TEST_OUT": out}))
-    _runs[fault] = {"rc": rc, "output": output, "elapsed": elapsed, "timed_out": timed_out, "ended": time.time(),
-                    "out": out}
+    run = _runs[fault] = {"out": out, "timed_out": False, "last_exit": None}
+    start = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=launch_env({"TF_MPI_TEST_OUT": out}), start_new_session=True)
+    watcher = threading.Thread(target=_watch, args=(run, proc, start))
+    watcher.start()
+    try:
+        run["output"], _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        run["timed_out"] = True
+        os.killpg(proc.pid, 9)
+        run["output"], _ = proc.communicate()
+    run["rc"], run["elapsed"] = proc.returncode, time.time() - start
+    watcher.join()
+
+
+def _watch(run, proc, start):
+    """Records when the last process of the job (ranks and mpirun) exited after the fault."""
+    fault_file = os.path.join(run["out"], "fault")
+    while not os.path.exists(fault_file) and proc.poll() is None and time.time() - start < LAUNCH_TIMEOUT_S:
+        time.sleep(0.01)
+    pids = [int(open(p).read()) for p in (os.path.join(run["out"], f"pid.{r}") for r in range(3))
+            if os.path.exists(p)]
+    while time.time() - start < LAUNCH_TIMEOUT_S + 5:
+        if proc.poll() is not None and not any(alive(p) for p in pids):
+            run["last_exit"] = time.time()
+            return
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +77,11 @@ def runs():
     return _runs
 
 
-def alive(pid):
-    """Whether `pid` still runs (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 WHO = {"kill": r"process rank 1 with PID \d+ on node \S+ exited on\s+signal 9",
-       "raise": r"MPI_ABORT was invoked on rank 1 in communicator",
-       # rank 1 exits normally (code 1): its engine tells the others, which fail and abort
-       "exit": r"rank 1 called shutdown\(\)"}
+       "raise": r"\[tf_mpi rank 1\] uncaught exception:(.|\n)*RuntimeError: injected failure on rank 1",
+       # rank 1 exits normally: its engine tells the others, which fail and abort
+       "exit": r"rank 1 called shutdown\(\)",
+       "exit0": r"rank 1 called shutdown\(\)"}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -60,11 +92,15 @@ def test_a_lost_rank_ends_the_whole_job_promptly(runs, fault):
     fault_file = os.path.join(run["out"], "fault")
     assert os.path.exists(fault_file), "rank 1 never reached the fault\n" + describe
     with open(fault_file) as f:
-        after = run["ended"] - float(f.read())
-    print(f"{fault}: job ended {after:.1f} s after the fault, rc={run['rc']}")
+        fault_time = float(f.read())
+    assert run["last_exit"] is not None, "the watcher never saw every process gone\n" + describe
+    after = run["last_exit"] - fault_time
+    print(f"{fault}: last process exited {after:.2f} s after the fault, rc={run['rc']}")
     assert run["rc"] != 0, describe
     assert after < LIMIT_S, f"{after:.1f} s after the fault\n" + describe
     pids = [int(open(os.path.join(run["out"], f"pid.{r}")).read()) for r in range(3)]
     assert not [p for p in pids if alive(p)], f"processes left: {[p for p in pids if alive(p)]}\n" + describe
     assert re.search(WHO[fault], run["output"]), describe
+    if fault == "raise":
+        assert "MPI_ABORT was invoked on rank 1" in run["output"], describe
     assert "fit returned" not in run["output"], describe

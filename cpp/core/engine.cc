@@ -5,6 +5,7 @@
 #include <list>
 #include <set>
 
+#include "link_probe.h"
 #include "logging.h"
 
 namespace tfmpi {
@@ -130,6 +131,7 @@ Status Engine::Init(const InitOptions& opts) {
   try {
     config_ = EngineConfig::FromEnv();
     tunables_ = config_.tunables;
+    watchdog_settings_ = WatchdogSettings::FromEnv();
   } catch (const std::exception& e) {
     settings = Status::Invalid(e.what());
   }
@@ -143,6 +145,7 @@ Status Engine::Init(const InitOptions& opts) {
     mpi_.Release();
     return s;
   }
+  ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
   hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
   if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {
     mpi_.Release();
@@ -162,6 +165,8 @@ Status Engine::Init(const InitOptions& opts) {
   // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
   protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, hierarchical_, &stats_, &timeline_);
+  protocol_->set_watchdog(&watchdog_);
+  watchdog_.Start(watchdog_settings_);
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path && !opts.process_set) {
     s = StartTimeline(path);
@@ -179,6 +184,7 @@ void Engine::Shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  watchdog_.Stop();
   {
     std::lock_guard<std::mutex> turn(progress_mu_);
     protocol_.reset();
@@ -207,6 +213,19 @@ void Engine::Finalize() {
 }
 
 void Engine::Abort(int code) {
+  // MPI_Abort asks the launcher to kill every rank; when the launcher cannot
+  // reach a host (a cut link) or is itself gone, the call can wait for an
+  // answer that never comes. This process ends after kAbortGrace whatever MPI
+  // does, so a rank that decided to abort never lingers.
+  static constexpr auto kAbortGrace = std::chrono::seconds(2);
+  try {
+    std::thread([code] {
+      std::this_thread::sleep_for(kAbortGrace);
+      std::_Exit(code);
+    }).detach();
+  } catch (const std::exception&) {
+    // No thread to be had (resources exhausted): MPI_Abort alone, as before.
+  }
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized) MPI_Abort(MPI_COMM_WORLD, code);

@@ -62,6 +62,7 @@
 #include "protocol.h"
 #include "request.h"
 #include "timeline.h"
+#include "watchdog.h"
 
 namespace tfmpi {
 
@@ -96,7 +97,7 @@ class Engine {
   // Shutdown(), then MPI_Finalize if this library initialised MPI.
   static void Finalize();
   // Kills the whole job (MPI_Abort); used when one rank cannot go on.
-  static void Abort(int code);
+  [[noreturn]] static void Abort(int code);
 
   bool initialized() const { return initialized_.load(); }
   const MpiContext& mpi() const { return mpi_; }
@@ -143,6 +144,8 @@ class Engine {
   ExecutorStats stats_;
   Timeline timeline_;
   EngineConfig config_{};
+  WatchdogSettings watchdog_settings_;
+  Watchdog watchdog_;  // times each batch's MPI work (watchdog.h)
   std::atomic<bool> initialized_{false};
   GpuTransportChoice gpu_choice_;
   HierarchicalChoice hierarchical_;

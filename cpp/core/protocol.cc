@@ -341,6 +341,14 @@ void Protocol::RunBatch() {
   }
   bool ok = false;
   try {
+    // Only batches with MPI work are timed; BatchBytes lets a large one take longer.
+    const std::string* name = nullptr;
+    for (const Decision& d : decisions) {
+      if (d.kind == Decision::Kind::kExecute) name = &d.response.meta.name;
+      else if (d.kind == Decision::Kind::kExecuteCached && cache_.Has(d.cache_id)) name = &cache_.Get(d.cache_id).meta.name;
+      if (name) break;
+    }
+    WatchdogScope watch(name ? watchdog_ : nullptr, name, decisions.size(), name && watchdog_ ? BatchBytes(decisions) : 0);
     ok = executor_.Run(decisions, &in_flight_, &cache_);
   } catch (const std::exception& e) {
     // Nothing checked beforehand failed (limits are checked on every rank

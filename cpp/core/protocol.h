@@ -30,6 +30,7 @@
 #include "request.h"
 #include "response_cache.h"
 #include "timeline.h"
+#include "watchdog.h"
 
 namespace tfmpi {
 
@@ -57,6 +58,8 @@ class Protocol {
   std::optional<Tunables> TakeSettings() { return std::exchange(settings_, std::nullopt); }
   // Why the protocol stopped by itself (Fail), once; empty otherwise.
   std::string TakeStopReason() { return std::exchange(stop_reason_, std::string()); }
+  // Times each batch's MPI work (watchdog.h); null: not timed.
+  void set_watchdog(Watchdog* w) { watchdog_ = w; }
   // At exit: fails what is pending with `why`, gives peers `limit` to take the
   // last messages (Outbox::Close) and returns what never reached them.
   Outbox::Undelivered Close(const Status& why, Outbox::Clock::duration limit);
@@ -117,6 +120,7 @@ class Protocol {
   bool gone_sent_ = false;        // rank 0: the workers were told it stopped
   bool coordinator_gone_ = false;
   bool done_ = false;             // the protocol has ended on this rank
+  Watchdog* watchdog_ = nullptr;
   // The tree (negotiation_tree.h) until the first departure; the star after.
   // Decisions leave the tree when a batch with a departure is received (and
   // forwarded), announcements when it is executed.

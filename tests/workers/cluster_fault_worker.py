@@ -1,0 +1,34 @@
+"""Allreduces in a loop until the job is ended from outside (tests/test_cluster_faults.py).
+
+One rank per pretend host; numpy only (no TensorFlow import, so a launch
+starts in about a second). Every rank writes "<pid> <hostname>" to
+$TF_MPI_TEST_OUT/pid.<rank> after init and the time to going.<rank> after 200
+correct collectives; then it keeps going until a host is killed or cut off.
+Each result is checked, so the loop cannot run on wrong numbers unnoticed.
+"""
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+from tf_mpi.basics import _core
+
+OUT = os.environ["TF_MPI_TEST_OUT"]
+
+_core.init()
+rank, size = _core.rank(), _core.size()
+with open(os.path.join(OUT, f"pid.{rank}"), "w") as f:
+    f.write(f"{os.getpid()} {socket.gethostname()}")
+x = np.full(1024, rank + 1, np.float32)
+expected = size * (size + 1) / 2
+i = 0
+while True:
+    y = _core.allreduce(x, 1, "loop")  # op 1: Sum
+    if not np.all(y == expected):
+        sys.exit(f"rank {rank}: allreduce {i} gave {y[:4]}, expected {expected}")
+    i += 1
+    if i == 200:
+        with open(os.path.join(OUT, f"going.{rank}"), "w") as f:
+            f.write(repr(time.time()))

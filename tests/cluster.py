@@ -40,18 +40,24 @@ CAP_NET_ADMIN), ``ip`` (iproute2), ``unshare`` (util-linux) and, for a rate,
 :class:`Cluster` raises :class:`ClusterUnavailable` with that text.
 """
 import argparse
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AGENT = os.path.join(HERE, "cluster_agent.sh")
 """The ssh stand-in: ``cluster_agent.sh [ssh options] HOST COMMAND...`` runs COMMAND in HOST's namespace."""
 
 DEFAULT_PREFIX = "tfmpi"
+LOCK_WAIT_S = 900
+"""How long up() and down() wait for another process using the same prefix to let it go."""
+
+_held = {}   # prefix -> open lock file, for the prefixes this process owns
 
 
 class ClusterUnavailable(RuntimeError):
@@ -128,18 +134,68 @@ class Cluster:
         self.switch = f"{prefix}-sw"
 
     # -- life cycle ---------------------------------------------------------
-    def up(self):
-        """Creates the hosts (after removing any left by an earlier cluster of this prefix)."""
+    def up(self, wait=LOCK_WAIT_S):
+        """Creates the hosts (after removing any left by an earlier cluster of this prefix).
+
+        This process owns the prefix until down() (by any object of that prefix): another
+        process's up() or down() of the same prefix waits up to ``wait`` seconds, then raises
+        ClusterUnavailable naming the owner, instead of tearing down hosts in use. A crashed owner
+        lets go by exiting.
+        """
         reason = unavailable_reason(need_rate=self.rate is not None)
         if reason:
             raise ClusterUnavailable(reason)
-        self.down()
+        self._acquire(wait)
         try:
+            self._remove()
             self._create()
-        except Exception:
+        except BaseException:
             self.down()
             raise
         return self
+
+    @property
+    def _lock_path(self):
+        return f"/run/{self.prefix}-cluster.lock"
+
+    def _acquire(self, wait):
+        """Takes the prefix's lock (flock: released by the kernel if the owner dies)."""
+        if self.prefix in _held:
+            return
+        deadline, said = time.time() + wait, False
+        while True:
+            f = open(self._lock_path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # The previous owner removes the file as it lets go: a lock on a removed file
+                # is not the prefix's lock; take the new file's.
+                if os.path.exists(self._lock_path) and os.path.samestat(os.fstat(f.fileno()),
+                                                                        os.stat(self._lock_path)):
+                    break
+            except BlockingIOError:
+                f.seek(0)
+                owner = f.read().strip() or "?"
+                if time.time() >= deadline:
+                    f.close()
+                    raise ClusterUnavailable(f"pretend hosts '{self.prefix}' are in use by process {owner} "
+                                             f"(waited {wait:.0f} s); use another prefix") from None
+                if not said:
+                    print(f"cluster: waiting for process {owner}, which uses the prefix '{self.prefix}'",
+                          file=sys.stderr, flush=True)
+                    said = True
+            f.close()
+            time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        _held[self.prefix] = f
+
+    def _release(self):
+        f = _held.pop(self.prefix, None)
+        if f is not None:
+            os.unlink(self._lock_path)   # before unlocking: a waiter then sees a removed file
+            f.close()
 
     @property
     def _state_file(self):
@@ -206,9 +262,16 @@ class Cluster:
         (an earlier cluster of this prefix may have had more hosts)."""
         return name == self.switch or re.fullmatch(re.escape(self.prefix) + r"-h\d+", name) is not None
 
-    def down(self):
+    def down(self, wait=LOCK_WAIT_S):
         """Removes every namespace, link, hosts file and process of this prefix, and nothing of
-        another prefix. Idempotent."""
+        another prefix. Idempotent. Waits (up to ``wait`` s) while another owner uses the prefix."""
+        self._acquire(wait)
+        try:
+            self._remove()
+        finally:
+            self._release()
+
+    def _remove(self):
         mine = [ns for ns in _namespaces() if self._is_mine(ns)]
         for ns in mine:
             self.kill_host(ns)

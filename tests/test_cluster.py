@@ -146,33 +146,61 @@ def root_links():
     return sorted(line.split(":")[1].strip() for line in r.stdout.splitlines())
 
 
+CLI = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster.py")]
+
+
 def test_rerun_after_a_crash_and_down_leave_nothing(bed):
-    """A cluster left up with a process running on it (a crashed test) is replaced by the next
-    up() of its prefix; down() then leaves no namespace, link, hosts file, state file or process,
-    and the cluster of another prefix (the module's) is untouched."""
+    """A cluster left up by a process that is gone, with a process still running on one of its
+    hosts, is replaced by the next up() of its prefix; down() then leaves no namespace, link,
+    hosts file, state or lock file, or process, and the cluster of another prefix (the module's)
+    is untouched."""
     links = root_links()
-    left = cluster.Cluster(hosts=2, slots=1, prefix=PREFIX + "c", net=NET + 1).up()
-    sleeper = subprocess.Popen(left.command(["sleep", "300"], host=left.hosts[1]), env=left.env(),
+    prefix, net = PREFIX + "c", NET + 1
+    rc, out, _, _ = run_bounded([*CLI, "up", "--hosts", "2", "--slots", "1", "--prefix", prefix, "--net", str(net)],
+                                60, dict(os.environ))
+    assert rc == 0, out
+    sleeper = subprocess.Popen([*CLI, "run", "--prefix", prefix, "--host", f"{prefix}-h2", "--", "sleep", "300"],
                                start_new_session=True)
+    again = cluster.Cluster(hosts=3, slots=1, prefix=prefix, net=net)
     try:
         deadline = time.time() + 20
-        while not left.pids(left.hosts[1]) and time.time() < deadline:
+        while not again.pids(f"{prefix}-h2") and time.time() < deadline:
             time.sleep(0.1)
-        assert left.pids(left.hosts[1]), "the process never appeared on the host"
-        again = cluster.Cluster(hosts=3, slots=1, prefix=PREFIX + "c", net=NET + 1).up()   # the rerun
-        assert sleeper.wait(timeout=20) == -signal.SIGKILL
-        mine = sorted(ns for ns in cluster._namespaces() if ns.startswith(PREFIX + "c-"))
+        left = again.pids(f"{prefix}-h2")
+        assert left, "the process never appeared on the host"
+        again.up()   # the rerun, with another number of hosts
+        assert sleeper.wait(timeout=20) != 0
+        assert not [p for p in left if os.path.exists(f"/proc/{p}")], left
+        mine = sorted(ns for ns in cluster._namespaces() if ns.startswith(prefix + "-"))
         assert mine == sorted(again.hosts + [again.switch]), mine
-        again.down()
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
-        cluster.Cluster(prefix=PREFIX + "c").down()
-    assert not [ns for ns in cluster._namespaces() if ns.startswith(PREFIX + "c-")]
-    assert not [n for n in os.listdir("/etc/netns") if n.startswith(PREFIX + "c-")]
-    assert not os.path.exists(again._state_file)
+        again.down()
+    assert not [ns for ns in cluster._namespaces() if ns.startswith(prefix + "-")]
+    assert not [n for n in os.listdir("/etc/netns") if n.startswith(prefix + "-")]
+    assert not os.path.exists(again._state_file) and not os.path.exists(again._lock_path)
     assert root_links() == links   # nothing was ever added to the machine's own network
     assert set(bed.hosts) | {bed.switch} <= set(cluster._namespaces())
+
+
+def test_a_prefix_in_use_is_not_torn_down_by_another_process(bed):
+    """Another process's up() or down() of the module's prefix waits, then refuses naming this
+    process, and leaves the hosts as they were."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import cluster\n"
+            f"c = cluster.Cluster(hosts=1, prefix={PREFIX!r}, net={NET})\n"
+            "for act in (c.up, c.down):\n"
+            "    try:\n        act(wait=1)\n        print('RESULT done')\n"
+            "    except cluster.ClusterUnavailable as e:\n        print('RESULT', e)\n")
+    before = {h: bed.address(h) for h in bed.hosts}
+    rc, output, _, timed_out = run_bounded([sys.executable, "-c", code], 60, dict(os.environ))
+    lines = [line for line in output.splitlines() if line.startswith("RESULT")]
+    assert rc == 0 and not timed_out and len(lines) == 2, output
+    assert all(f"in use by process {os.getpid()}" in line for line in lines), lines
+    assert set(bed.hosts) | {bed.switch} <= set(cluster._namespaces())
+    r = subprocess.run(["ip", "-n", bed.hosts[1], "-o", "addr", "show", "dev", "eth0"], stdout=subprocess.PIPE,
+                       text=True)
+    assert before[bed.hosts[1]] + "/24" in r.stdout, r.stdout
 
 
 REFUSAL = """

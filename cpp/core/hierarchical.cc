@@ -27,6 +27,8 @@ std::string WindowString(const SizeWindow& w) {
 HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiContext& mpi) {
   HierarchicalChoice c;
   c.mode = s.mode;
+  c.intra = s.intra;
+  c.inter = s.inter;
   const int nodes = mpi.cross_size(), per_node = mpi.local_size();
   const std::string topology = std::to_string(nodes) + " node(s) x " + std::to_string(per_node) +
                                " rank(s) per node, from " + mpi.topology_source();
@@ -52,7 +54,10 @@ HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiCo
     c.window = HierarchicalWindow(nodes, per_node, s.intra, s.inter);
     why = " (alpha-beta model, sizes rounded to powers of two; intra-node link " +
           std::string(s.intra_given ? "from TF_MPI_INTRA_NODE_LINK" : "default") + ", inter-node link " +
-          (s.inter_given ? "from TF_MPI_INTER_NODE_LINK" : "default: not measured, set TF_MPI_INTER_NODE_LINK") + ")";
+          (s.inter_given    ? "from TF_MPI_INTER_NODE_LINK"
+           : s.inter_probed ? "measured at start-up"
+                            : "default: not measured, set TF_MPI_INTER_NODE_LINK") +
+          ")";
   }
   c.summary = prefix + "hierarchical for " + WindowString(c.window) + why + "; " + topology;
   return c;

@@ -34,6 +34,7 @@ struct HierarchicalChoice {
   HierarchicalMode mode = HierarchicalMode::kOff;
   bool usable = false;  // more than one node, more than one rank per node, all nodes alike
   SizeWindow window;    // buffers of these sizes (bytes) go hierarchical
+  Link intra, inter;    // the model's links (identical on every rank: settings or the probe's broadcast)
   std::string summary;  // one line: what is used, for which sizes, and why
   bool Chooses(int64_t bytes) const { return usable && window.Contains(bytes); }
 };

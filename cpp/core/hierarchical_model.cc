@@ -46,9 +46,9 @@ Link ParseLink(const char* name, const std::string& v) {
   return Link{alpha_us * 1e-6, 1.0 / (gbps * 1e9)};
 }
 
-std::string LinkString(const Link& l, bool given) {
+std::string LinkString(const Link& l, bool given, bool probed = false) {
   std::ostringstream os;
-  os << l.alpha_s * 1e6 << "us," << 1e-9 / l.beta_s << "GB/s" << (given ? "" : "(default)");
+  os << l.alpha_s * 1e6 << "us," << 1e-9 / l.beta_s << "GB/s" << (given ? "" : probed ? "(probed)" : "(default)");
   return os.str();
 }
 
@@ -88,7 +88,7 @@ HierarchicalSettings HierarchicalSettings::FromEnv() {
 std::string HierarchicalSettings::ToString() const {
   return std::string("hierarchical=") + HierarchicalModeName(mode) +
          " hierarchical_threshold=" + std::to_string(threshold_bytes) + " intra_node_link=" +
-         LinkString(intra, intra_given) + " inter_node_link=" + LinkString(inter, inter_given);
+         LinkString(intra, intra_given) + " inter_node_link=" + LinkString(inter, inter_given, inter_probed);
 }
 
 double FlatAllreduceSeconds(double m, int n, int L, const Link& intra, const Link& inter) {

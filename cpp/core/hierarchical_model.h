@@ -38,7 +38,9 @@ enum class HierarchicalMode { kOff, kAuto, kOn };
 const char* HierarchicalModeName(HierarchicalMode m);
 
 // Defaults when no figures are given: shared memory inside a node, 100 Gb/s
-// InfiniBand between nodes (round figures, not measured on a cluster).
+// InfiniBand between nodes (round figures). With more than one node and no
+// TF_MPI_INTER_NODE_LINK, the engine replaces the inter-node default by a
+// start-up measurement (link_probe.h).
 constexpr Link kDefaultIntraNodeLink{1e-6, 1.0 / 10e9};     // 1 us, 10 GB/s
 constexpr Link kDefaultInterNodeLink{5e-6, 1.0 / 12.5e9};   // 5 us, 12.5 GB/s
 
@@ -48,6 +50,9 @@ struct HierarchicalSettings {
   Link intra = kDefaultIntraNodeLink;  // TF_MPI_INTRA_NODE_LINK=ALPHA_US,GB_PER_S
   Link inter = kDefaultInterNodeLink;  // TF_MPI_INTER_NODE_LINK=ALPHA_US,GB_PER_S
   bool intra_given = false, inter_given = false;
+  bool inter_probed = false;  // inter from the start-up probe (link_probe.h), not the default
+  // Whether the model's window decides (auto, no threshold): then the inter-node link matters.
+  bool UsesModel() const { return mode == HierarchicalMode::kAuto && threshold_bytes < 0; }
   // Reads the variables above; throws std::invalid_argument naming a bad one.
   static HierarchicalSettings FromEnv();
   std::string ToString() const;

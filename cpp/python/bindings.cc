@@ -12,6 +12,7 @@
 
 #include "../core/cuda_device.h"
 #include "../core/engine.h"
+#include "../core/link_probe.h"
 #include "../core/logging.h"
 
 namespace py = pybind11;
@@ -443,12 +444,20 @@ PYBIND11_MODULE(_core, m) {
                     py::arg("min_bytes") = c.window.min_bytes,
                     py::arg("max_bytes") = c.window.max_bytes == any ? py::object(py::none())
                                                                      : py::object(py::int_(c.window.max_bytes)),
-                    py::arg("homogeneous") = Ctx().homogeneous(), py::arg("summary") = c.summary);
+                    py::arg("homogeneous") = Ctx().homogeneous(), py::arg("summary") = c.summary,
+                    py::arg("intra_alpha_s") = c.intra.alpha_s, py::arg("intra_beta_s") = c.intra.beta_s,
+                    py::arg("inter_alpha_s") = c.inter.alpha_s, py::arg("inter_beta_s") = c.inter.beta_s);
   }, "Where allreduces of host memory use the hierarchical scheme (TF_MPI_HIERARCHICAL): the mode, whether the\n"
      "topology allows it, the buffer sizes [min_bytes, max_bytes) that use it (max_bytes None: no upper end;\n"
-     "min == max: none), whether all nodes have the same number of ranks, and a one-line summary.");
-  m.def("hierarchical_model", [](double bytes, int nodes, int ranks_per_node) {
-    const HierarchicalSettings s = HierarchicalSettings::FromEnv();
+     "min == max: none), whether all nodes have the same number of ranks, a one-line summary, and the model's\n"
+     "links (seconds per message step and per byte; the inter-node one measured at start-up unless set).");
+  m.def("hierarchical_model", [](double bytes, int nodes, int ranks_per_node, py::object intra_alpha_s,
+                                  py::object intra_beta_s, py::object inter_alpha_s, py::object inter_beta_s) {
+    HierarchicalSettings s = HierarchicalSettings::FromEnv();
+    if (!intra_alpha_s.is_none()) s.intra.alpha_s = intra_alpha_s.cast<double>();
+    if (!intra_beta_s.is_none()) s.intra.beta_s = intra_beta_s.cast<double>();
+    if (!inter_alpha_s.is_none()) s.inter.alpha_s = inter_alpha_s.cast<double>();
+    if (!inter_beta_s.is_none()) s.inter.beta_s = inter_beta_s.cast<double>();
     const SizeWindow w = HierarchicalWindow(nodes, ranks_per_node, s.intra, s.inter);
     const int64_t any = std::numeric_limits<int64_t>::max();
     return py::dict(
@@ -456,10 +465,20 @@ PYBIND11_MODULE(_core, m) {
         py::arg("hierarchical_s") = HierarchicalAllreduceSeconds(bytes, nodes, ranks_per_node, s.intra, s.inter),
         py::arg("auto_min_bytes") = w.min_bytes,
         py::arg("auto_max_bytes") = w.max_bytes == any ? py::object(py::none()) : py::object(py::int_(w.max_bytes)));
-  }, py::arg("bytes"), py::arg("nodes"), py::arg("ranks_per_node"),
-     "The alpha-beta model behind TF_MPI_HIERARCHICAL=auto (links from TF_MPI_INTRA_NODE_LINK and\n"
-     "TF_MPI_INTER_NODE_LINK, or their defaults): modelled seconds of one allreduce of `bytes`, flat and\n"
-     "hierarchical, on nodes x ranks_per_node ranks, and the sizes auto would use there. Needs no init().");
+  }, py::arg("bytes"), py::arg("nodes"), py::arg("ranks_per_node"), py::arg("intra_alpha_s") = py::none(),
+     py::arg("intra_beta_s") = py::none(), py::arg("inter_alpha_s") = py::none(), py::arg("inter_beta_s") = py::none(),
+     "The alpha-beta model behind TF_MPI_HIERARCHICAL=auto: modelled seconds of one allreduce of `bytes`, flat and\n"
+     "hierarchical, on nodes x ranks_per_node ranks, and the sizes auto would use there. Links: the arguments\n"
+     "given (seconds per message step, seconds per byte; e.g. those of hierarchical()), else\n"
+     "TF_MPI_INTRA_NODE_LINK / TF_MPI_INTER_NODE_LINK, else the defaults. Needs no init().");
+  m.def("link_from_ping_pong", [](double small_s, int64_t small_bytes, double large_s, int64_t large_bytes,
+                                  int streams) {
+    const Link l = LinkFromPingPong(small_s, small_bytes, large_s, large_bytes, streams);
+    return py::make_tuple(l.alpha_s, l.beta_s);
+  }, py::arg("small_one_way_s"), py::arg("small_bytes"), py::arg("large_one_way_s"), py::arg("large_bytes"),
+     py::arg("streams"),
+     "The start-up probe's arithmetic (link_probe.h): (alpha_s, beta_s) from median one-way times of a small\n"
+     "and a large message, `streams` ranks of a node sending the large one at once.");
   py::class_<DeviceArray, std::shared_ptr<DeviceArray>>(
       m, "DeviceArray",
       "GPU memory holding a collective's result; use it through __cuda_array_interface__, e.g. cupy.asarray(a).")

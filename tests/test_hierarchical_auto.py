@@ -1,0 +1,92 @@
+"""TF_MPI_HIERARCHICAL=auto across pretend hosts (tests/cluster.py): the engine's start-up probe of
+the inter-node link, and the decision it feeds.
+
+One launch of 2 hosts x 2 ranks (prefix "cal", addresses 10.231.9.0/24) of
+tests/workers/hierarchical_auto_worker.py: init() without TF_MPI_INTER_NODE_LINK measures the
+link (rank 0 logs the figures once), every rank ends with the same figures and the same size
+window, allreduces of 1 KiB-4 MiB go hierarchical exactly where the window says, on every rank,
+with right sums; with TF_MPI_INTER_NODE_LINK set there is no probe and the figures are the user's.
+Plus the probe's arithmetic (tf_mpi._core.link_from_ping_pong) without MPI.
+
+Needs root (network namespaces); skipped with the reason otherwise.
+"""
+import json
+import os
+import re
+import sys
+import tempfile
+
+import pytest
+
+import cluster
+from mpi_harness import WORKERS, launch_env, run_bounded
+from tf_mpi.basics import _core
+
+PREFIX, NET = "cal", 9
+PROBE_LINE = re.compile(r"inter-node link measured at start-up: ([0-9.]+) us per message, ([0-9.e+-]+) GB/s "
+                        r"per node .* in ([0-9]+) ms")
+
+
+def test_link_from_ping_pong_arithmetic():
+    # 2 ranks per node, each exchanging 128 KiB: beta is the extra time over all 256 KiB a node moves.
+    alpha, beta = _core.link_from_ping_pong(20e-6, 8, 1e-3, 128 << 10, 2)
+    assert alpha == pytest.approx(20e-6)
+    assert beta == pytest.approx((1e-3 - 20e-6) / (2 * (128 << 10) - 16))
+    # Noise made the large message no slower than the small one: beta from the large one alone.
+    alpha, beta = _core.link_from_ping_pong(50e-6, 8, 40e-6, 1 << 17, 1)
+    assert beta == pytest.approx(40e-6 / (1 << 17)) and beta > 0
+
+
+def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
+    reason = cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tempfile.mkdtemp(prefix="tfmpi_hauto_")
+    env = {"TF_MPI_TEST_OUT": out, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    with cluster.Cluster(hosts=2, slots=2, prefix=PREFIX, net=NET) as c:
+        argv = [sys.executable, "-m", "tf_mpi.run", "-np", "4", "--host", c.host_list(), "-x", "TF_CPP_MIN_LOG_LEVEL",
+                "--", sys.executable, os.path.join(WORKERS, "hierarchical_auto_worker.py")]
+        launch = {k: v for k, v in launch_env(env).items() if k not in ("TF_MPI_TOPOLOGY", "TF_MPI_INTER_NODE_LINK")}
+        rc, output, elapsed, timed_out = run_bounded(c.command(argv), 120, c.env(launch))
+    assert rc == 0 and not timed_out, output[-3000:]
+    ranks = {}
+    for name in os.listdir(out):
+        with open(os.path.join(out, name)) as f:
+            r = json.load(f)
+        ranks[r["rank"]] = r
+    assert sorted(ranks) == [0, 1, 2, 3], output[-3000:]
+    assert all(r["cross_size"] == 2 and r["local_size"] == 2 for r in ranks.values())
+
+    # The probe ran once (in phase "probe", not "given"), logged by rank 0 only.
+    logged = PROBE_LINE.findall(output)
+    assert len(logged) == 1, output[-3000:]
+    alpha_us, gb_per_s, probe_ms = (float(v) for v in logged[0])
+    assert probe_ms < 500, f"the probe took {probe_ms} ms"
+
+    probe = [ranks[i]["probe"]["hierarchical"] for i in range(4)]
+    link = {(h["inter_alpha_s"], h["inter_beta_s"]) for h in probe}
+    assert len(link) == 1, f"ranks got different inter-node links: {link}"
+    alpha, beta = link.pop()
+    # Sane for TCP between network namespaces: microseconds to a millisecond, 1 MB/s to 100 GB/s.
+    assert 0.5e-6 < alpha < 5e-3 and 1e6 < 1 / beta < 100e9, (alpha, 1 / beta)
+    assert alpha * 1e6 == pytest.approx(alpha_us, abs=0.06) and 1e-9 / beta == pytest.approx(gb_per_s, rel=0.01)
+    assert all("measured at start-up" in h["summary"] and h["usable"] for h in probe), probe[0]["summary"]
+
+    for phase in ("probe", "given"):
+        windows = {(ranks[i][phase]["hierarchical"]["min_bytes"], ranks[i][phase]["hierarchical"]["max_bytes"])
+                   for i in range(4)}
+        assert len(windows) == 1, f"{phase}: ranks chose different windows {windows}"
+        lo, hi = windows.pop()
+        h0 = ranks[0][phase]["hierarchical"]
+        model = _core.hierarchical_model(1.0, 2, 2, h0["intra_alpha_s"], h0["intra_beta_s"], h0["inter_alpha_s"],
+                                         h0["inter_beta_s"])
+        assert (lo, hi) == (model["auto_min_bytes"], model["auto_max_bytes"]), (phase, lo, hi, model)
+        for i in range(4):
+            for row in ranks[i][phase]["rows"]:
+                inside = lo <= row["bytes"] and (hi is None or row["bytes"] < hi)
+                assert row["right"], (phase, i, row)
+                assert row["hierarchical"] == (1 if inside else 0), (phase, i, row, lo, hi)
+
+    given = ranks[0]["given"]["hierarchical"]
+    assert given["inter_alpha_s"] == pytest.approx(7e-6) and given["inter_beta_s"] == pytest.approx(1 / 3.5e9)
+    assert "from TF_MPI_INTER_NODE_LINK" in given["summary"]

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "link_probe.h"
+#include "link_probe.h"
 #include "logging.h"
 
 namespace tfmpi {
@@ -145,6 +146,7 @@ Status Engine::Init(const InitOptions& opts) {
     mpi_.Release();
     return s;
   }
+  ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
   ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
   hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
   if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {

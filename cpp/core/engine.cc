@@ -6,7 +6,6 @@
 #include <set>
 
 #include "link_probe.h"
-#include "link_probe.h"
 #include "logging.h"
 
 namespace tfmpi {
@@ -146,7 +145,6 @@ Status Engine::Init(const InitOptions& opts) {
     mpi_.Release();
     return s;
   }
-  ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
   ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
   hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
   if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {

@@ -132,7 +132,10 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         see tf_mpi.adasum). Integer averages are truncated toward zero.
       prescale_factor / postscale_factor: multiply before / after the reduction.
       name: matches this collective across ranks; defaults to the op's name.
-      process_set: ``None`` (all ranks); tf_mpi has no other process sets.
+      process_set: ``None`` or ``global_process_set`` (all ranks), or a registered
+        ``ProcessSet`` (tf_mpi.process_sets): the ranks of that set reduce among
+        themselves and Average divides by its size. Adasum takes the global set
+        only (NotImplementedError otherwise, as Horovod).
       ignore_name_scope: accepted for Horovod compatibility (``name`` is used as given).
 
     Example::

@@ -89,6 +89,26 @@ def check_registration_gives_ids_ranks_sizes_and_membership():
     assert int(hvd.process_set_included_op(99).numpy()) == -3 and int(hvd.size_op(99).numpy()) == -3
 
 
+def check_a_second_init_registers_nothing_and_maps_objects():
+    """Horovod 0.28.1 (operations.cc InitializeHorovodOnce, process_sets._init_process_sets): init()
+    registers its sets once per start; a later init() only gives the listed objects the ids of the
+    registered sets with their ranks (KeyError for ranks never registered), duplicates as at first."""
+    table = {0: list(range(N)), **{s.process_set_id: s.ranks for s in STATIC[:-1]}}
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == table
+    again = hvd.ProcessSet(list(reversed(EVEN.ranks)))
+    hvd.init(process_sets=[again])
+    assert again.process_set_id == EVEN.process_set_id
+    twice = [hvd.ProcessSet(ODD.ranks), hvd.ProcessSet(ODD.ranks)]
+    raises(lambda: hvd.init(process_sets=twice), ValueError, "entry number 1 is a duplicate")
+    assert twice[0].process_set_id == ODD.process_set_id and twice[1].process_set_id is None
+    if N > 2:   # [0, N-1] is none of the registered sets at np=4
+        raises(lambda: hvd.init(process_sets=[hvd.ProcessSet([0, N - 1])]), KeyError)
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == table
+    s = mine_of(EVEN, ODD)[0]
+    got = hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum, name=f"ps.again.{s.process_set_id}", process_set=s)
+    assert got.numpy()[0] == sum(s.ranks)
+
+
 def check_allreduce_ops_and_grouped_within_each_set():
     for s in mine_of(*STATIC):
         k = 100 * s.process_set_id   # the same seeds on every rank of the set
@@ -153,6 +173,14 @@ def check_ranks_outside_a_set_get_horovods_error():
     raises(lambda: hvd.add_process_set([0]), ValueError, "HOROVOD_DYNAMIC_PROCESS_SETS")
 
 
+def check_adasum_takes_the_global_set_only():
+    """Horovod 0.28.1 (tensorflow/__init__.py allreduce): Adasum with another set is NotImplementedError
+    (raised here before any communication)."""
+    for s in mine_of(EVEN, ODD):
+        raises(lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum, process_set=s), NotImplementedError,
+               "non-global process sets")
+
+
 def check_gradients_stay_in_the_set():
     for s in mine_of(EVEN, ODD):
         k = 100 * s.process_set_id
@@ -208,6 +236,33 @@ def check_disjoint_sets_do_not_wait_on_each_other():
             hvd.allreduce(tf.ones([16]), name=f"ps.late.{i}", process_set=TAIL)
     times = WORLD.allgather(finished)
     assert max(times[0], times[1]) < min(times[2], times[3]), times
+
+
+def check_sets_from_communicators_are_registered_first():
+    """Horovod 0.28.1 (operations.cc horovod_init_multi_comm, basics._comm_process_set_id): the sets
+    the communicator entries form (each one's distinct sets over all ranks, sorted) get ids before
+    the entries given as ranks; a communicator finds its set's id, a duplicate of the global
+    communicator 0; init(comm=...) makes it global_process_set.mpi_comm."""
+    hvd.shutdown()
+    sub = WORLD.Split(color=R % 2, key=R)
+    listed = [hvd.ProcessSet([0, N - 1])] if N > 2 else []
+    from_comm = hvd.ProcessSet(sub)
+    hvd.init(comm=WORLD, process_sets=listed + [from_comm])
+    table = {0: list(range(N)), 1: list(range(0, N, 2)), 2: list(range(1, N, 2))}
+    if N > 2:
+        table[3] = [0, N - 1]
+        assert listed[0].process_set_id == 3
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == table
+    mine = 1 + R % 2
+    assert from_comm.process_set_id == mine and from_comm.ranks == table[mine]
+    assert hvd.mpi_ops._basics._comm_process_set_id(sub) == mine
+    dup = WORLD.Dup()
+    assert hvd.mpi_ops._basics._comm_process_set_id(dup) == 0
+    assert hvd.global_process_set.mpi_comm is WORLD
+    got = hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum, name="ps.comm", process_set=from_comm)
+    assert got.numpy()[0] == sum(table[mine])
+    dup.Free()
+    sub.Free()
 
 
 def check_dynamic_sets_added_and_removed_while_another_set_is_busy():

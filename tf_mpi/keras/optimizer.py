@@ -39,7 +39,7 @@ has a test in tests/workers/keras_worker.py or optimizer_compat_worker.py):
 import keras
 import tensorflow as tf
 
-from tf_mpi.basics import Average, Sum
+from tf_mpi.basics import Adasum, Average, Sum
 from tf_mpi.compression import Compression
 from tf_mpi.basics import _check_process_set
 from tf_mpi.reducer import GradientReducer, check_groups, is_reduced, map_gradient, variable_key
@@ -240,6 +240,8 @@ def _distributed_optimizer(optimizer, name=None, device_dense="", device_sparse=
 
     Example: ``_distributed_optimizer(keras.optimizers.SGD(0.1), op=hvd.Sum)``
     """
+    if op == Adasum:   # Horovod's words for it (horovod/tensorflow/__init__.py, DistributedOptimizer)
+        raise ValueError("op == Adasum is not supported yet with Keras")
     if op not in (Average, Sum):
         # Horovod's Keras optimizer takes only these two (ValueError, Adasum included).
         raise ValueError(f"tf_mpi: DistributedOptimizer reduces with op=Average or op=Sum; got {op!r}")

@@ -100,7 +100,7 @@ def run(c, key):
         workdir = tempfile.mkdtemp(prefix="tfmpi_cluster_example_")
         _runs[key] = ExampleRun(*tf_mpi_run(c, 4, ["--host", c.host_list(slots=2, hosts=2)],
                                             [sys.executable, EXAMPLE, *EXAMPLE_ARGS],
-                                            {"TF_CPP_MIN_LOG_LEVEL": "3"}, 300, cwd=workdir))
+                                            {"TF_CPP_MIN_LOG_LEVEL": "3"}, 420, cwd=workdir))
     else:
         slots, how, with_tf = LAUNCHES[key]
         hosts = ",".join(f"{h}:{n}" for h, n in zip(c.hosts, slots))

@@ -5,26 +5,33 @@ Run (from the repository root; rank 0 prints)::
     TF_MPI_TOPOLOGY=2x2 python -m tf_mpi.run -np 4 python benchmarks/hierarchical_bench.py
     TF_MPI_TOPOLOGY=2x3 python -m tf_mpi.run -np 6 python benchmarks/hierarchical_bench.py
 
+Across real (or pretend, tests/cluster.py) hosts no TF_MPI_TOPOLOGY is needed;
+benchmarks/hierarchical_cluster_bench.py runs it on pretend hosts at several
+link rates.
+
 What it measures: float32 Sum allreduces of numpy arrays through the engine
 (``tf_mpi._core.allreduce``, no TensorFlow) of 4 KiB to 16 MiB. A round
 initialises the engine with ``TF_MPI_HIERARCHICAL=0``, times every size, shuts
-it down, initialises it with ``TF_MPI_HIERARCHICAL=1`` and times every size
-again; the order of the two alternates between rounds, so background load hits
-both alike. A sample is K back-to-back calls (K calibrated once per size to
-~20 ms, the same on every rank) after an engine barrier (a small allreduce),
+it down, and does the same with ``TF_MPI_HIERARCHICAL=1`` and ``auto``; the
+order of the three rotates between rounds, so background load hits all alike. A sample is K back-to-back calls (K calibrated once per size to
+~50 ms, the same on every rank) after an engine barrier (a small allreduce),
 divided by K; its time is the slowest rank's. Per size it prints the median
 time of each path and the median and range over rounds of the ratio
-hierarchical / flat (below 1: hierarchical faster), next to the ratio the
-alpha-beta model behind ``TF_MPI_HIERARCHICAL=auto`` predicts with its links
-(defaults unless ``TF_MPI_INTRA_NODE_LINK`` / ``TF_MPI_INTER_NODE_LINK`` are set).
+hierarchical / flat (below 1: hierarchical faster), next to the times and ratio
+the alpha-beta model behind ``TF_MPI_HIERARCHICAL=auto`` predicts with the
+engine's links (``tf_mpi._core.hierarchical()``: TF_MPI_INTRA_NODE_LINK /
+TF_MPI_INTER_NODE_LINK, else the start-up probe's or the defaults), and auto's
+median over the better of flat and hierarchical (target: at most 1.1).
+``--json PATH`` writes all samples.
 
-What it cannot show: pretend nodes on one machine talk through shared memory,
+What it cannot show with TF_MPI_TOPOLOGY: pretend nodes on one machine talk through shared memory,
 like ranks of one node, so the "inter-node" stage costs what the intra-node one
 does. The figures show the scheme's own overhead (three collectives instead of
 one) where the network is as fast as memory, not what it gains across a real
 network. Results are checked before timing.
 """
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -32,11 +39,12 @@ import time
 
 import numpy as np
 
-from tf_mpi import basics
+from tf_mpi import basics, predict
 from tf_mpi.basics import _core
 
 KiB, MiB = 1 << 10, 1 << 20
-SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
+MODES = ("0", "1", "auto")  # flat, hierarchical, the model's choice
 
 
 def init(mode):
@@ -66,9 +74,22 @@ def sample(x, k):
     return slowest((time.perf_counter() - t0) / k)
 
 
+def model_row(b, nodes, per_node, links):
+    """Flat and hierarchical seconds for b bytes with the engine's links: the engine's model
+    (what auto decides by) and tf_mpi.predict's (engine chunks, its algorithms)."""
+    row = _core.hierarchical_model(b, nodes, per_node, links["intra_alpha_s"], links["intra_beta_s"],
+                                   links["inter_alpha_s"], links["inter_beta_s"])
+    cluster = predict.Cluster(nodes, per_node, predict.Link(links["intra_alpha_s"], links["intra_beta_s"]),
+                              predict.Link(links["inter_alpha_s"], links["inter_beta_s"]))
+    row["predict_flat_s"] = predict.group_time([b], cluster, hierarchical=False)
+    row["predict_hierarchical_s"] = predict.group_time([b], cluster, hierarchical=True)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", help="rank 0 writes the samples and summary here")
     args = parser.parse_args()
     init("1")
     rank, size = _core.rank(), _core.size()
@@ -80,31 +101,55 @@ def main():
     for b, x in inputs.items():  # check, and calibrate K on the hierarchical path
         assert np.all(allreduce(x) == want)
         t = sample(x, 1)
-        ks[b] = int(allreduce(np.array([max(1, min(200, int(0.02 / max(t, 1e-6))))], np.int64), op=3)[0])
+        ks[b] = int(allreduce(np.array([max(1, min(200, int(0.05 / max(t, 1e-6))))], np.int64), op=3)[0])
     init("0")
     for b, x in inputs.items():
         assert np.all(allreduce(x) == want)
-    times = {(m, b): [] for m in "01" for b in SIZES}
+    times = {(m, b): [] for m in MODES for b in SIZES}
+    auto = None
     for r in range(args.rounds):
-        for mode in ("01" if r % 2 == 0 else "10"):
+        for mode in MODES[r % 3:] + MODES[:r % 3]:
             init(mode)
+            if mode == "auto":
+                auto = _core.hierarchical()
             for b, x in inputs.items():
                 times[(mode, b)].append(sample(x, ks[b]))
     if rank == 0:
-        print(f"# hierarchical_bench: {nodes} pretend nodes x {per_node} ranks (TF_MPI_TOPOLOGY="
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"# hierarchical_bench: {nodes} nodes x {per_node} ranks (TF_MPI_TOPOLOGY="
               f"{os.environ.get('TF_MPI_TOPOLOGY')}), {args.rounds} rounds, {os.cpu_count()} CPUs, "
               f"{platform.machine()}, {time.strftime('%Y-%m-%d')}")
-        print(f"{'bytes':>10} {'K':>4} {'flat ms':>9} {'hier ms':>9} {'hier/flat median':>17} "
-              f"{'(min-max)':>13} {'model hier/flat':>16}")
+        print(f"# auto: {auto['summary']}")
+        print(f"# links: intra {auto['intra_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['intra_beta_s']:.3g} GB/s; "
+              f"inter {auto['inter_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['inter_beta_s']:.3g} GB/s")
+        print(f"# model: the engine's (auto's); predict: tf_mpi.predict's, both with the links above")
+        print(f"{'bytes':>10} {'K':>4} {'flat ms':>9} {'model':>9} {'predict':>9} {'hier ms':>9} {'model':>9} "
+              f"{'predict':>9} {'hier/flat (min-max)':>20} {'model':>6} {'auto ms':>9} {'auto/best':>9}")
+        rows = []
         for b in SIZES:
             flat, hier = times[("0", b)], times[("1", b)]
             ratios = sorted(h / f for h, f in zip(hier, flat))
-            model = _core.hierarchical_model(b, nodes, per_node)
-            print(f"{b:>10} {ks[b]:>4} {statistics.median(flat) * 1e3:>9.3f} {statistics.median(hier) * 1e3:>9.3f} "
-                  f"{statistics.median(ratios):>17.2f} {f'({ratios[0]:.2f}-{ratios[-1]:.2f})':>13} "
-                  f"{model['hierarchical_s'] / model['flat_s']:>16.2f}")
+            model = model_row(b, nodes, per_node, auto)
+            auto_over_best = med[("auto", b)] / min(med[("0", b)], med[("1", b)])
+            rows.append({"bytes": b, "k": ks[b], "flat_s": flat, "hierarchical_s": hier, "auto_s": times[("auto", b)],
+                         "flat_median_s": med[("0", b)], "hierarchical_median_s": med[("1", b)],
+                         "auto_median_s": med[("auto", b)], "auto_over_best": auto_over_best,
+                         "auto_hierarchical": bool(auto["usable"] and auto["min_bytes"] <= b and
+                                                   (auto["max_bytes"] is None or b < auto["max_bytes"])),
+                         "model_flat_s": model["flat_s"], "model_hierarchical_s": model["hierarchical_s"],
+                         "predict_flat_s": model["predict_flat_s"],
+                         "predict_hierarchical_s": model["predict_hierarchical_s"]})
+            print(f"{b:>10} {ks[b]:>4} {med[('0', b)] * 1e3:>9.3f} {model['flat_s'] * 1e3:>9.3f} "
+                  f"{model['predict_flat_s'] * 1e3:>9.3f} {med[('1', b)] * 1e3:>9.3f} "
+                  f"{model['hierarchical_s'] * 1e3:>9.3f} {model['predict_hierarchical_s'] * 1e3:>9.3f} "
+                  f"{f'{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})':>20} "
+                  f"{model['hierarchical_s'] / model['flat_s']:>6.2f} {med[('auto', b)] * 1e3:>9.3f} "
+                  f"{auto_over_best:>9.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"nodes": nodes, "ranks_per_node": per_node, "rounds": args.rounds, "auto": auto,
+                           "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
     _core.shutdown()
-
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,8 @@ Run::
         --backprop-ms 160 --intra nvlink --inter ib100 --ranks-per-node 8 --plot scaling.png
     python -m tf_mpi.predict model.keras --step-ms 120            # a saved Keras model
     mpirun -np 2 python -m tf_mpi.predict model.keras --step-ms 120 --measure   # links from the probe
+    mpirun -np 4 -H host1:2,host2:2 python -m tf_mpi.predict model.keras --step-ms 120 --measure
+        # across nodes: the inter-node link tf_mpi measured at start-up (and its TF_MPI_INTER_NODE_LINK)
 
 or from Python::
 
@@ -312,6 +314,26 @@ def plan_cost_model(cluster, hierarchical, overlap):
     return grouping.CostModel(alpha, beta, overlap)
 
 
+def engine_links():
+    """(intra, inter): the Links of the running engine's hierarchical-allreduce model, the
+    inter-node one measured at start-up across nodes (cpp/core/link_probe.h) unless
+    TF_MPI_INTER_NODE_LINK gave it. Needs tf_mpi.init().
+
+    Example: ``intra, inter = engine_links(); print(inter_node_link_setting(inter))``
+    """
+    from tf_mpi.basics import _core
+    h = _core.hierarchical()
+    source = ("measured at start-up" if "measured at start-up" in h["summary"] else
+              "TF_MPI_INTER_NODE_LINK" if "from TF_MPI_INTER_NODE_LINK" in h["summary"] else "engine default")
+    return (Link(h["intra_alpha_s"], h["intra_beta_s"], "engine"),
+            Link(h["inter_alpha_s"], h["inter_beta_s"], source))
+
+
+def inter_node_link_setting(link):
+    """The TF_MPI_INTER_NODE_LINK value (ALPHA_US,GB_PER_S) for a Link, e.g. ``"12.0,0.118"``."""
+    return f"{link.alpha * 1e6:.1f},{1e-9 / link.beta:.3g}"
+
+
 def link_from_probe(cost_model, ranks, chunk_bytes=DEFAULT_CHUNK_BYTES):
     """The Link that makes this model reproduce the probe allreduces of
     ``tf_mpi.grouping.measure_cost_model`` (measured on `ranks` ranks of one node).
@@ -608,7 +630,9 @@ def _parse_args(argv):
     p.add_argument("--inter", default="ib100", help="link between nodes (same forms as --intra)")
     p.add_argument("--measure", action="store_true",
                    help="under mpirun on one node: take the intra-node link (and the overlap, unless --overlap) "
-                        "from tf_mpi's probe; --inter stays as given")
+                        "from tf_mpi's probe, --inter stays as given; across nodes: take the inter-node link "
+                        "tf_mpi measured at start-up (printed as a TF_MPI_INTER_NODE_LINK value) and the overlap, "
+                        "--intra stays as given")
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--nics-per-node", type=int, default=1,
@@ -654,16 +678,19 @@ def main(argv=None):
     """
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     work = load_workload(args.model, args.step_ms / 1e3, None if args.backprop_ms is None else args.backprop_ms / 1e3)
-    intra, overlap, printing = args.intra_link, args.overlap, True
+    intra, inter, overlap, printing = args.intra_link, args.inter_link, args.overlap, True
     if args.measure:
         from tf_mpi import basics
         basics.init()
         cost_model = grouping.measure_cost_model()
-        intra = link_from_probe(cost_model, basics.size(), args.chunk_bytes)
+        if basics.cross_size() > 1:  # the probe's allreduces crossed nodes: they say nothing of the intra link
+            inter = engine_links()[1]
+        else:
+            intra = link_from_probe(cost_model, basics.size(), args.chunk_bytes)
         overlap = cost_model.overlap if overlap is None else overlap
         printing = basics.rank() == 0
     overlap = 1.0 if overlap is None else overlap
-    rows = predict_scaling(work, sorted(set(args.nodes)), args.ranks_per_node, intra, args.inter_link, overlap,
+    rows = predict_scaling(work, sorted(set(args.nodes)), args.ranks_per_node, intra, inter, overlap,
                            args.grouping, nics_per_node=args.nics_per_node, cores_per_node=args.cores_per_node,
                            chunk_bytes=args.chunk_bytes)
     if not printing:
@@ -673,7 +700,8 @@ def main(argv=None):
           + (f"{args.backprop_ms:g} ms" if args.backprop_ms is not None else "unknown (no overlap counted)")
           + f", overlap {overlap:.2f}")
     print(f"intra-node: {intra}")
-    print(f"inter-node: {args.inter_link}, {args.nics_per_node} NIC(s) per node")
+    print(f"inter-node: {inter}, {args.nics_per_node} NIC(s) per node"
+          + (f"; TF_MPI_INTER_NODE_LINK={inter_node_link_setting(inter)}" if inter is not args.inter_link else ""))
     print(f"engine    : chunks of {args.chunk_bytes} B, grouping {args.grouping}"
           + (f", {args.cores_per_node} cores per node" if args.cores_per_node else ""))
     print(format_table(rows))
@@ -684,7 +712,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=work.source, step_ms=args.step_ms, backprop_ms=args.backprop_ms, overlap=overlap,
-                           intra=str(intra), inter=str(args.inter_link),
+                           intra=str(intra), inter=str(inter),
                            rows=[dict(r.__dict__, ranks=r.ranks) for r in rows]), f, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -1,0 +1,76 @@
+"""benchmarks/hierarchical_bench.py across pretend hosts (tests/cluster.py), at several link rates.
+
+Run (as root, from the repository root; it brings up and tears down its own cluster)::
+
+    python benchmarks/hierarchical_cluster_bench.py --rates unlimited,1gbit --layouts 2x2 --rounds 5
+
+Per link rate and layout (HOSTSxRANKS), one launch through ``python -m tf_mpi.run --host ...``
+(ranks in blocks per host, Open MPI's default) of hierarchical_bench.py: flat, hierarchical and auto allreduces of 4 KiB to
+16 MiB, the model's predicted times next to the measured medians, and auto against the better of
+the two (target: at most 1.1). No TF_MPI_TOPOLOGY: the nodes are the pretend hosts, and the
+model's inter-node link is the engine's start-up probe unless TF_MPI_INTER_NODE_LINK is set.
+Writes benchmarks/results/hierarchical_cluster_<rate>_<layout>.json.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+BENCH = os.path.join(HERE, "hierarchical_bench.py")
+
+
+def run_layout(cluster, hosts, slots, rounds, timeout):
+    from mpi_harness import launch_env, run_bounded
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    hostlist = ",".join(f"{h}:{slots}" for h in cluster.hosts[:hosts])
+    cmd = cluster.command([sys.executable, "-m", "tf_mpi.run", "-np", str(hosts * slots), "--host", hostlist,
+                           "python", BENCH, "--rounds", str(rounds), "--json", out])
+    env = cluster.env(launch_env({"TF_CPP_MIN_LOG_LEVEL": "3"}))
+    env.pop("TF_MPI_TOPOLOGY", None)
+    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, env)
+    print(output, flush=True)
+    if rc != 0 or timed_out:
+        raise RuntimeError(f"launch failed (rc={rc}, timed_out={timed_out})")
+    with open(out) as f:
+        record = json.load(f)
+    os.unlink(out)
+    record["output"] = output
+    record["elapsed_s"] = elapsed
+    return record
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="unlimited,1gbit", help="comma-separated tc rates ('unlimited': none)")
+    p.add_argument("--layouts", default="2x2", help="comma-separated HOSTSxRANKS_PER_HOST")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prefix", default="cal")
+    p.add_argument("--net", type=int, default=9)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = p.parse_args()
+    from cluster import Cluster
+    layouts = [tuple(int(v) for v in l.split("x")) for l in a.layouts.split(",")]
+    for rate in a.rates.split(","):
+        limit = None if rate == "unlimited" else rate
+        with Cluster(hosts=max(h for h, _ in layouts), slots=max(s for _, s in layouts), rate=limit,
+                     prefix=a.prefix, net=a.net) as c:
+            for hosts, slots in layouts:
+                print(f"== link {rate}, {hosts} hosts x {slots} ranks", flush=True)
+                record = run_layout(c, hosts, slots, a.rounds, a.timeout)
+                record.update({"command": " ".join(["python", "benchmarks/hierarchical_cluster_bench.py"] + sys.argv[1:]),
+                               "rate": rate, "machine": socket.gethostname(), "date": time.strftime("%Y-%m-%d"),
+                               "load_avg_at_end": os.getloadavg()})
+                os.makedirs(a.out, exist_ok=True)
+                with open(os.path.join(a.out, f"hierarchical_cluster_{rate}_{hosts}x{slots}.json"), "w") as f:
+                    json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,8 @@ Per link rate and layout (HOSTSxRANKS), one launch through ``python -m tf_mpi.ru
 16 MiB, the model's predicted times next to the measured medians, and auto against the better of
 the two (target: at most 1.1). No TF_MPI_TOPOLOGY: the nodes are the pretend hosts, and the
 model's inter-node link is the engine's start-up probe unless TF_MPI_INTER_NODE_LINK is set.
-Writes benchmarks/results/hierarchical_cluster_<rate>_<layout>.json.
+Writes benchmarks/results/hierarchical_cluster_<rate>_<layout>.json; ``--table`` prints those
+files as the Markdown table of docs/scaling.md (tf_mpi.predict against the measured medians).
 """
 import argparse
 import json
@@ -45,6 +46,31 @@ def run_layout(cluster, hosts, slots, rounds, timeout):
     return record
 
 
+def table(paths):
+    """Markdown rows: per rate and size, measured medians against tf_mpi.predict, and auto."""
+    def ms(v):
+        return f"{v * 1e3:.3g}"
+
+    def err(pred, meas):
+        return f"{(pred - meas) / meas * 100:+.0f}%"
+
+    print("| link | bytes | flat measured ms | predicted | error | hierarchical measured ms | predicted | error "
+          "| auto took | auto / better |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for path in paths:
+        with open(path) as f:
+            rec = json.load(f)
+        a = rec["auto"]
+        link = (f"{rec['rate']} ({rec['nodes']}x{rec['ranks_per_node']}; probe {a['inter_alpha_s'] * 1e6:.0f} us, "
+                f"{1e-6 / a['inter_beta_s']:.0f} MB/s)")
+        for r in rec["rows"]:
+            print(f"| {link} | {r['bytes']} | {ms(r['flat_median_s'])} | {ms(r['predict_flat_s'])} | "
+                  f"{err(r['predict_flat_s'], r['flat_median_s'])} | {ms(r['hierarchical_median_s'])} | "
+                  f"{ms(r['predict_hierarchical_s'])} | {err(r['predict_hierarchical_s'], r['hierarchical_median_s'])} | "
+                  f"{'hierarchical' if r['auto_hierarchical'] else 'flat'} | {r['auto_over_best']:.2f} |")
+            link = ""
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="unlimited,1gbit", help="comma-separated tc rates ('unlimited': none)")
@@ -54,7 +80,10 @@ def main():
     p.add_argument("--net", type=int, default=9)
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print these results as Markdown and exit")
     a = p.parse_args()
+    if a.table:
+        return table(a.table)
     from cluster import Cluster
     layouts = [tuple(int(v) for v in l.split("x")) for l in a.layouts.split(",")]
     for rate in a.rates.split(","):

@@ -6,7 +6,12 @@ the time rank 1 writes just before the fault to the moment a watcher polling
 /proc (every 10 ms) sees the last of them gone. On an idle 2-core machine that
 is 0.1-1 s (docs/reliability.md); LIMIT_S leaves room for a loaded CI machine.
 The four launches run at the same time (each one is mostly TensorFlow's
-start-up)."""
+start-up).
+
+Beside them, the MPI watchdog on one host (np=2, numpy only,
+tests/workers/cluster_fault_worker.py): 64 MiB allreduces against a limit of
+1 ms must end the job with the watchdog's error, and an unreadable
+TF_MPI_MPI_TIMEOUT_MB_PER_S must fail init() on every rank."""
 import os
 import re
 import subprocess
@@ -17,7 +22,7 @@ import time
 
 import pytest
 
-from mpi_harness import WORKERS, launch_env, mpirun_command
+from mpi_harness import WORKERS, launch_env, mpirun_command, run_bounded
 
 FAULTS = ["kill", "raise", "exit", "exit0"]
 LIMIT_S = 5
@@ -67,9 +72,27 @@ def _watch(run, proc, start):
         time.sleep(0.01)
 
 
+WATCHDOG_CASES = {
+    # 1 ms + 64 MiB at 10^9 MB/s: every batch is over the limit once the check (every 50 ms) sees it
+    "fires": {"TF_MPI_MPI_TIMEOUT_SECONDS": "0.001", "TF_MPI_MPI_TIMEOUT_MB_PER_S": "1e9",
+              "TF_MPI_TEST_ELEMENTS": str(16 << 20)},
+    "bad_rate": {"TF_MPI_MPI_TIMEOUT_MB_PER_S": "0"},
+}
+_watchdog_runs = {}
+
+
+def _launch_watchdog(case):
+    out = tempfile.mkdtemp(prefix=f"tfmpi_watchdog_{case}_")
+    cmd = mpirun_command(2, [sys.executable, os.path.join(WORKERS, "cluster_fault_worker.py")])
+    rc, output, elapsed, timed_out = run_bounded(cmd, 120, launch_env({"TF_MPI_TEST_OUT": out,
+                                                                      **WATCHDOG_CASES[case]}))
+    _watchdog_runs[case] = {"rc": rc, "output": output, "elapsed": elapsed, "timed_out": timed_out}
+
+
 @pytest.fixture(scope="module")
 def runs():
     threads = [threading.Thread(target=_launch, args=(f,)) for f in FAULTS]
+    threads += [threading.Thread(target=_launch_watchdog, args=(c,)) for c in WATCHDOG_CASES]
     for t in threads:
         t.start()
     for t in threads:
@@ -104,3 +127,21 @@ def test_a_lost_rank_ends_the_whole_job_promptly(runs, fault):
     if fault == "raise":
         assert "MPI_ABORT was invoked on rank 1" in run["output"], describe
     assert "fit returned" not in run["output"], describe
+
+
+def test_the_watchdog_ends_a_job_whose_collective_stays_in_mpi_too_long(runs):
+    run = _watchdog_runs["fires"]
+    describe = f"rc={run['rc']} elapsed={run['elapsed']:.1f}s\n{run['output'][-5000:]}"
+    assert not run["timed_out"] and run["rc"] != 0, describe
+    m = re.search(r"\[tf_mpi rank \d\] ERROR: collective 'loop' \(67108864 bytes\) has been inside MPI for "
+                  r"([\d.]+) s without completing \(limit ([\d.]+) s", run["output"])
+    assert m, describe
+    assert float(m.group(1)) > float(m.group(2)), describe
+    assert "MPI_ABORT was invoked" in run["output"], describe
+
+
+def test_an_unreadable_watchdog_setting_fails_init_on_every_rank(runs):
+    run = _watchdog_runs["bad_rate"]
+    describe = f"rc={run['rc']} elapsed={run['elapsed']:.1f}s\n{run['output'][-5000:]}"
+    assert not run["timed_out"] and run["rc"] != 0, describe
+    assert run["output"].count("TF_MPI_MPI_TIMEOUT_MB_PER_S must be positive") == 2, describe

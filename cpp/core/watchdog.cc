@@ -89,7 +89,7 @@ void Watchdog::Monitor() {
 void Watchdog::Expire(const std::string& what, double waited_s, double limit_s) {
   char text[640];
   std::snprintf(text, sizeof(text),
-                "collective %s has been inside MPI for %.1f s without completing (limit %.1f s: "
+                "collective %s has been inside MPI for %.3g s without completing (limit %.3g s: "
                 "TF_MPI_MPI_TIMEOUT_SECONDS=%g + bytes / TF_MPI_MPI_TIMEOUT_MB_PER_S=%g MB/s). Every rank had "
                 "submitted it, so a peer or the network between the ranks stopped responding (a cut link, a "
                 "frozen host or process); aborting the job",

@@ -5,6 +5,9 @@ starts in about a second). Every rank writes "<pid> <hostname>" to
 $TF_MPI_TEST_OUT/pid.<rank> after init and the time to going.<rank> after 200
 correct collectives; then it keeps going until a host is killed or cut off.
 Each result is checked, so the loop cannot run on wrong numbers unnoticed.
+TF_MPI_TEST_ELEMENTS sets the float32 elements per allreduce (default 1024);
+tests/test_faults.py also runs it on one host with a large one and a tiny
+watchdog limit.
 """
 import os
 import socket
@@ -13,15 +16,16 @@ import time
 
 import numpy as np
 
+from tf_mpi import basics
 from tf_mpi.basics import _core
 
 OUT = os.environ["TF_MPI_TEST_OUT"]
 
-_core.init()
+basics.init()  # as a user's script: an uncaught error (a stalled collective) aborts the job
 rank, size = _core.rank(), _core.size()
 with open(os.path.join(OUT, f"pid.{rank}"), "w") as f:
     f.write(f"{os.getpid()} {socket.gethostname()}")
-x = np.full(1024, rank + 1, np.float32)
+x = np.full(int(os.environ.get("TF_MPI_TEST_ELEMENTS", "1024")), rank + 1, np.float32)
 expected = size * (size + 1) / 2
 i = 0
 while True:

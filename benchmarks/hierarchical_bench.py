@@ -20,7 +20,8 @@ time of each path and the median and range over rounds of the ratio
 hierarchical / flat (below 1: hierarchical faster), next to the times and ratio
 the alpha-beta model behind ``TF_MPI_HIERARCHICAL=auto`` predicts with the
 engine's links (``tf_mpi._core.hierarchical()``: TF_MPI_INTRA_NODE_LINK /
-TF_MPI_INTER_NODE_LINK, else the start-up probe's or the defaults), and auto's
+TF_MPI_INTER_NODE_LINK, else the start-up probe's or the defaults; the median
+over the auto rounds, each of which probed anew across hosts), and auto's
 median over the better of flat and hierarchical (target: at most 1.1).
 ``--json PATH`` writes all samples.
 
@@ -106,21 +107,24 @@ def main():
     for b, x in inputs.items():
         assert np.all(allreduce(x) == want)
     times = {(m, b): [] for m in MODES for b in SIZES}
-    auto = None
+    autos = []  # hierarchical() of each auto round: across hosts, each init measured the link anew
     for r in range(args.rounds):
         for mode in MODES[r % 3:] + MODES[:r % 3]:
             init(mode)
             if mode == "auto":
-                auto = _core.hierarchical()
+                autos.append(_core.hierarchical())
             for b, x in inputs.items():
                 times[(mode, b)].append(sample(x, ks[b]))
+    # The medians of the rounds' links against the medians of the rounds' times.
+    auto = dict(autos[-1], **{k: statistics.median(a[k] for a in autos)
+                              for k in ("inter_alpha_s", "inter_beta_s", "intra_alpha_s", "intra_beta_s")})
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"# hierarchical_bench: {nodes} nodes x {per_node} ranks (TF_MPI_TOPOLOGY="
               f"{os.environ.get('TF_MPI_TOPOLOGY')}), {args.rounds} rounds, {os.cpu_count()} CPUs, "
               f"{platform.machine()}, {time.strftime('%Y-%m-%d')}")
-        print(f"# auto: {auto['summary']}")
-        print(f"# links: intra {auto['intra_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['intra_beta_s']:.3g} GB/s; "
+        print(f"# auto (last round): {auto['summary']}")
+        print(f"# links (median of {len(autos)} auto rounds): intra {auto['intra_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['intra_beta_s']:.3g} GB/s; "
               f"inter {auto['inter_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['inter_beta_s']:.3g} GB/s")
         print(f"# model: the engine's (auto's); predict: tf_mpi.predict's, both with the links above")
         print(f"{'bytes':>10} {'K':>4} {'flat ms':>9} {'model':>9} {'predict':>9} {'hier ms':>9} {'model':>9} "
@@ -148,6 +152,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"nodes": nodes, "ranks_per_node": per_node, "rounds": args.rounds, "auto": auto,
+                           "auto_rounds": autos,
                            "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
     _core.shutdown()
 

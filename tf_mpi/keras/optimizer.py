@@ -275,7 +275,10 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          num_groups=0, groups=None, process_set=None, scale_local_gradients=True, *,
                          order_backprop=None, sparse=None):
     """``tf_mpi.DistributedOptimizer``: ``tf_mpi.keras.DistributedOptimizer`` with the parameters of
-    ``horovod.tensorflow.DistributedOptimizer``, in its order.
+    ``horovod.tensorflow.DistributedOptimizer``, in its order. Given a TF1
+    optimizer (``tf.compat.v1.train.Optimizer``) it returns Horovod's TF1
+    wrapper instead (``tf_mpi.legacy_optimizer``: ``compute_gradients``
+    returns reduced gradients).
 
     That order differs from the Keras one: ``use_locking`` third, then
     ``backward_passes_per_step`` before ``op`` and ``gradient_predivide_factor``.
@@ -294,11 +297,17 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()), backward_passes_per_step=2)
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
     """
-    del use_locking  # a TF1 optimizer setting; Keras optimizers have none
     _check_process_set(process_set, "DistributedOptimizer")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average (as in Horovod)")
     groups = check_groups(num_groups, groups)
+    from tf_mpi import legacy_optimizer  # a TF1 optimizer: Horovod's TF1 wrapper (tf_mpi.legacy_optimizer)
+    if legacy_optimizer.is_legacy_optimizer(optimizer):
+        return legacy_optimizer.distributed_legacy_optimizer(
+            optimizer, name, use_locking, device_dense, device_sparse, compression, sparse_as_dense,
+            backward_passes_per_step, op, gradient_predivide_factor, average_aggregated_gradients, groups,
+            process_set, scale_local_gradients, sparse, order_backprop)
+    del use_locking  # a TF1 optimizer setting; Keras optimizers have none
     return _distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                   gradient_predivide_factor, op, backward_passes_per_step,
                                   average_aggregated_gradients, groups, scale_local_gradients, order_backprop, sparse,

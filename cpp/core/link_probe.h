@@ -8,8 +8,9 @@
 // network interface while all its ranks use it in both directions, as the
 // flat allreduce does (beta = extra time / (ranks per node x bytes)).
 // That share of the interface, and the CPU time the transport spends moving
-// the bytes, is what the model's beta stands for. Medians of a few round trips;
-// a few ms on a fast network, about 20 ms at 1 Gb/s.
+// the bytes, is what the model's beta stands for. Alpha: the median of 15 round
+// trips; beta: the mean of 9 back-to-back exchanges (a sustained rate). A few
+// ms on a fast network, about 20-50 ms at 1 Gb/s.
 //
 // World rank 0's figures are broadcast, so every rank of the job decides with
 // identical parameters (the ranks must pick the same allreduce path per size).
@@ -31,7 +32,7 @@ struct LinkProbe {
 LinkProbe ProbeInterNodeLink(const MpiContext& mpi);
 
 // Alpha and beta from the median one-way time of a small message and the
-// median time of a large exchange (`streams` ranks sending `large_bytes` each
+// mean time of a large exchange (`streams` ranks sending `large_bytes` each
 // through one interface at once).
 // Pure; a beta that the noise makes non-positive becomes one from the large
 // message alone.

@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,7 +63,20 @@ def run_bounded(cmd, timeout, env, cwd=None):
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-    return proc.returncode, output, time.time() - start, timed_out
+    elapsed = time.time() - start
+    _log_launch(cmd, start, elapsed, timed_out)
+    return proc.returncode, output, elapsed, timed_out
+
+
+def _log_launch(cmd, start, elapsed, timed_out):
+    # Measuring the suite: with TF_MPI_TEST_LAUNCH_LOG set, one line per bounded launch (what ran,
+    # when, how long), to count launches per module and see which ones overlap.
+    path = os.environ.get("TF_MPI_TEST_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "start": round(start, 2),
+                                "elapsed": round(elapsed, 2), "timed_out": timed_out,
+                                "cmd": " ".join(map(str, cmd))[-300:]}) + "\n")
 
 
 def launch_env(extra=None):
@@ -83,6 +98,10 @@ def run_mpi(np, worker, timeout, env=None, args=()):
         if m:
             with open(os.path.join(out_dir, name)) as f:
                 results[int(m.group(1))] = json.load(f)
+    if os.environ.get("TF_MPI_TEST_LAUNCH_LOG") and 0 in results:
+        with open(os.environ["TF_MPI_TEST_LAUNCH_LOG"], "a") as f:  # where a launch's time went, per check
+            f.write(json.dumps({"worker": worker, "np": np, "args": list(args), "elapsed": round(elapsed, 2),
+                                "checks": {k: v.get("seconds") for k, v in results[0].items()}}) + "\n")
     return MpiRun(rc, output, results, elapsed, timed_out)
 
 
@@ -128,6 +147,120 @@ def cached_launches(worker, env=None, timeout=300):
             runs[np] = run_mpi(np, worker, timeout=timeout, env=env)
         return runs[np]
     return launch
+
+
+# ----------------------------------------------------------------------------- launches shared and started early
+#
+# A launch is mostly TensorFlow's import (one thread per rank) and waits (mpirun's start, stall
+# timeouts, exits), so a second launch beside it fills the cores it leaves idle. Tests name their
+# launches (shared_launch / shared_run); tests/conftest.py starts every launch the selected tests
+# need before the first test runs (PARALLEL at a time, in test order), and each test waits only for
+# its own. A launch named twice, in one module or in two, runs once.
+
+PARALLEL = max(1, int(os.environ.get("TF_MPI_TEST_PARALLEL", "2")))  # launches in flight besides the test's own
+_pool = None
+_futures = {}            # key -> Future of the launch's result
+_futures_lock = threading.Lock()
+_heavy = threading.Lock()  # launches that need several GiB of memory run one at a time
+
+
+def _executor():
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="launch")
+    return _pool
+
+
+def _key_of(fn, args, kwargs):
+    def frozen(v):
+        if isinstance(v, dict):
+            return tuple(sorted((k, frozen(x)) for k, x in v.items()))
+        if isinstance(v, (list, tuple)):
+            return tuple(frozen(x) for x in v)
+        return v
+    # The module too: two test modules may each have a function of the same name.
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), frozen(args), frozen(kwargs))
+
+
+def _run_guarded(fn, args, kwargs, heavy):
+    if heavy:
+        with _heavy:
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def start_shared(fn, *args, heavy=False, **kwargs):
+    """Starts fn(*args, **kwargs) (a launch) in the background unless the same call was started
+    already; returns its Future. heavy=True: never at the same time as another heavy launch."""
+    key = _key_of(fn, args, kwargs)
+    with _futures_lock:
+        if key not in _futures:
+            _futures[key] = _executor().submit(_run_guarded, fn, args, kwargs, heavy)
+        return _futures[key]
+
+
+def shared_run(fn, *args, heavy=False, **kwargs):
+    """fn(*args, **kwargs) once per session: the result of the call started earlier with the same
+    arguments (waiting for it), or of this call, run now in the caller's thread and kept."""
+    key = _key_of(fn, args, kwargs)
+    with _futures_lock:
+        future = _futures.get(key)
+        mine = future is None
+        if mine:
+            future = _futures[key] = Future()
+    if mine:
+        try:
+            future.set_result(_run_guarded(fn, args, kwargs, heavy))
+        except BaseException as e:  # every caller of this launch sees the same error
+            future.set_exception(e)
+    return future.result()
+
+
+def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, start=False):
+    """run_mpi(np, worker, timeout, env, args), once per session for the same arguments (see
+    shared_run); start=True only starts it in the background and returns its Future."""
+    call = start_shared if start else shared_run
+    return call(run_mpi, np, worker, timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy)
+
+
+def shared_launches(worker, env=None, timeout=300):
+    """launch(np, start=False): shared_launch of `worker` with `env` on np ranks (cached_launches,
+    shared across modules and startable ahead of the tests)."""
+    def launch(np, start=False):
+        return shared_launch(np, worker, timeout=timeout, env=env, start=start)
+    return launch
+
+
+def prefetch_by_np(launch):
+    """prefetch(items) for a module whose tests are parametrized by np and check launch(np)."""
+    def prefetch(items):
+        for np in params_of(items, "np"):
+            launch(np, start=True)
+    return prefetch
+
+
+def selected_tests(items):
+    """The test functions' names (without parameters) among the selected pytest items."""
+    return {getattr(item, "originalname", item.name) for item in items}
+
+
+def stop_background_launches():
+    """Drops the launches not started yet (the session is ending); the running ones end by their
+    own time limits."""
+    global _pool
+    if _pool is not None:
+        _pool.shutdown(wait=True, cancel_futures=True)
+        _pool = None
+
+
+def param(item, name, default=None):
+    """The value of parameter `name` of a pytest item (default if it has no such parameter)."""
+    return item.callspec.params.get(name, default) if hasattr(item, "callspec") else default
+
+
+def params_of(items, name):
+    """The distinct values of parameter `name` among the selected pytest items, in run order."""
+    return list(dict.fromkeys(param(item, name) for item in items if param(item, name) is not None))
 
 
 def assert_resumed_example(run, workdir, learning_rate, checkpoint_files):

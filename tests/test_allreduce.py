@@ -7,7 +7,7 @@ non-power-of-two world are covered.
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, check_names, prefetch_by_np, shared_launch
 
 WORKER = "allreduce_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
@@ -16,13 +16,14 @@ CONFIGS = {
     2: {**STALL, "TF_MPI_TEST_BIG": "1"},
     3: {**STALL, "TF_MPI_FUSION_THRESHOLD": "0", "TF_MPI_CHUNK_BYTES": "4096"},
 }
-_runs = {}
 
 
-def launch(np):
-    if np not in _runs:
-        _runs[np] = run_mpi(np, WORKER, timeout=420, env=CONFIGS[np])
-    return _runs[np]
+def launch(np, start=False):
+    # np=2 allocates 2 x 4 GiB (TF_MPI_TEST_BIG): never beside another launch that needs as much.
+    return shared_launch(np, WORKER, timeout=420, env=CONFIGS[np], heavy=np == 2, start=start)
+
+
+prefetch = prefetch_by_np(launch)
 
 
 @pytest.mark.parametrize("np", sorted(CONFIGS))

@@ -7,22 +7,23 @@ import tempfile
 
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, check_names, prefetch_by_np, selected_tests, shared_launch
 
 WORKER = "collectives_worker.py"
-_runs = {}
-
-
 TRACE = os.path.join(tempfile.mkdtemp(), "whole_run.json")
 
 
-def launch(np):
-    if np not in _runs:
-        env = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-        if np == 2:
-            env["TF_MPI_TIMELINE"] = TRACE  # the whole run, from init() to exit
-        _runs[np] = run_mpi(np, WORKER, timeout=300, env=env)
-    return _runs[np]
+def launch(np, start=False):
+    env = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+    if np == 2:
+        env["TF_MPI_TIMELINE"] = TRACE  # the whole run, from init() to exit
+    return shared_launch(np, WORKER, timeout=300, env=env, start=start)
+
+
+def prefetch(items):
+    if "test_timeline_from_environment_is_valid_json_after_exit" in selected_tests(items):
+        launch(2, start=True)
+    prefetch_by_np(launch)(items)
 
 
 def test_timeline_from_environment_is_valid_json_after_exit():

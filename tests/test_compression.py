@@ -8,16 +8,23 @@ from tf.train.Checkpoint exactly as an uninterrupted run, and bad ratios.
 """
 import pytest
 
-from mpi_harness import assert_check, cached_launches, check_names
+from mpi_harness import assert_check, check_names, params_of, selected_tests, shared_launches
 
 WORKER = "compression_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-launch = cached_launches(WORKER, ENV)
+launch = shared_launches(WORKER, ENV)
 # 7 ranks: 3 past the largest power of two (4), so one rank sends the result's
 # indices to one of them and its values to another.
 GTOPK_UNEVEN = ["check_gtopk_matches_numpy_eager", "check_byte_counters_show_the_reduction"]
-launch_uneven = cached_launches(WORKER, {**ENV, "TF_MPI_TEST_ONLY": ",".join(GTOPK_UNEVEN)}, timeout=400)
+launch_uneven = shared_launches(WORKER, {**ENV, "TF_MPI_TEST_ONLY": ",".join(GTOPK_UNEVEN)}, timeout=400)
+
+
+def prefetch(items):
+    for np in params_of(items, "np"):
+        launch(np, start=True)
+    if "test_gtopk_seven_ranks" in selected_tests(items):
+        launch_uneven(7, start=True)
 
 
 @pytest.mark.parametrize("np", [2, 3])

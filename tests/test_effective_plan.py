@@ -5,14 +5,23 @@ the same collectives, grouped as they are sent (2 ranks, a small Keras model).""
 import json
 import re
 
-from mpi_harness import assert_check, run_mpi
+from mpi_harness import assert_check, shared_launch
 
 WORKER = "plan_worker.py"
 CHECK = "check_plan_is_described_with_its_collectives_and_the_holdback"
 
 
+def launch(start=False):
+    return shared_launch(2, WORKER, timeout=300, env={"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"},
+                         start=start)
+
+
+def prefetch(items):
+    launch(start=True)
+
+
 def test_tuner_logs_the_effective_plan_in_describes_terms():
-    run = run_mpi(2, WORKER, timeout=300, env={"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"})
+    run = launch()
     assert_check(run, 2, CHECK)
     (line,) = [line for line in run.output.splitlines() if line.startswith("PLAN_COLLECTIVES ")]
     collectives = json.loads(line[len("PLAN_COLLECTIVES "):])

@@ -2,10 +2,12 @@
 tf_mpi-specific line is its import, run unchanged under real mpirun (2 ranks)."""
 import ast
 import os
+import pathlib
+import tempfile
 
 import pytest
 
-from mpi_harness import run_example
+from mpi_harness import run_example, shared_run, start_shared
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(os.path.dirname(HERE), "examples", "horovod_migration.py")
@@ -32,12 +34,18 @@ def test_the_import_is_the_only_change_from_horovod():
     assert {"init", "DistributedGradientTape", "broadcast_variables", "allreduce"} <= used
 
 
+WORKDIR = pathlib.Path(tempfile.mkdtemp(prefix="tfmpi_horovod_migration_"))  # made at import: the launch starts early
+ARGS = ["--steps", "240", "--checkpoint-dir", str(WORKDIR / "ckpt")]
+
+
+def prefetch(items):
+    if "test_trains_with_identical_replicas_and_rank_0_checkpoint" in {item.originalname for item in items}:
+        start_shared(run_example, "horovod_migration.py", ARGS, np=2, timeout=300, cwd=str(WORKDIR))
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("horovod_migration")
-    result = run_example("horovod_migration.py", ["--steps", "240", "--checkpoint-dir", str(workdir / "ckpt")],
-                         np=2, timeout=300, cwd=str(workdir))
-    return result, workdir
+def run():
+    return shared_run(run_example, "horovod_migration.py", ARGS, np=2, timeout=300, cwd=str(WORKDIR)), WORKDIR
 
 
 def test_trains_with_identical_replicas_and_rank_0_checkpoint(run):

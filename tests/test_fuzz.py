@@ -5,13 +5,21 @@ on the ranks concerned within seconds (a call wrong on one rank only: the other
 rank's stall error after TF_MPI_STALL_SHUTDOWN_TIME_SECONDS), and no process may crash."""
 import json
 
-from mpi_harness import assert_check, run_mpi
+from mpi_harness import assert_check, shared_launch
 
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "3"}
 
 
+def launch(start=False):
+    return shared_launch(2, "fuzz_worker.py", timeout=240, env=ENV, start=start)
+
+
+def prefetch(items):
+    launch(start=True)
+
+
 def test_fuzz():
-    run = run_mpi(2, "fuzz_worker.py", timeout=240, env=ENV)
+    run = launch()
     assert_check(run, 2, "check_fuzz_good_calls_right_bad_calls_errors_within_seconds_no_crash")
     summaries = [json.loads(line[5:]) for line in run.output.splitlines() if line.startswith("FUZZ ")]
     assert len(summaries) == 2, run.describe()

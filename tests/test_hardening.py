@@ -4,20 +4,31 @@ messages left at shutdown, counts beyond MPI's ints, a garbled protocol
 message, and the MPI thread level. numpy-only workers (tests/workers/hardening_worker.py)."""
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, param, shared_launch
 
 WORKER = "hardening_worker.py"
 SCENARIOS = {"engine": 3, "big": 1, "corrupt": 3, "stale": 2, "serialized": 2, "settings": 3}
 # 64 MiB chunks: the > 2^31 reducescatter moves 2 GiB, in fewer calls than the default 1 MiB.
 ENV = {"big": {"TF_MPI_CHUNK_BYTES": str(64 << 20)},
        "stale": {"TF_MPI_STALL_CHECK_TIME_SECONDS": "2", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "10"}}
-_runs = {}
+# Tests that check a launch's log or exit (relay: that alone), not one check_* result.
+OWN_TESTS = {"test_a_relay_that_cannot_read_its_child_aborts_the_job": "relay",
+             "test_undelivered_messages_are_reported_with_their_peer": "engine",
+             "test_rank0_logs_why_it_stopped_coordinating": "corrupt"}
 
 
-def launch(scenario):
-    if scenario not in _runs:
-        _runs[scenario] = run_mpi(SCENARIOS[scenario], WORKER, timeout=180, env=ENV.get(scenario), args=[scenario])
-    return _runs[scenario]
+def launch(scenario, start=False):
+    # The big scenario's reducescatter moves 2 GiB: never beside another launch that needs as much.
+    np = 4 if scenario == "relay" else SCENARIOS[scenario]
+    return shared_launch(np, WORKER, timeout=120 if scenario == "relay" else 180, env=ENV.get(scenario),
+                         args=[scenario], heavy=scenario == "big", start=start)
+
+
+def prefetch(items):
+    # numpy-only launches of a few seconds each.
+    for scenario in dict.fromkeys(param(item, "scenario", OWN_TESTS.get(item.originalname)) for item in items):
+        if scenario is not None:
+            launch(scenario, start=True)
 
 
 def checks_of(scenario):
@@ -61,7 +72,7 @@ def test_rank0_logs_why_it_stopped_coordinating():
 
 def test_a_relay_that_cannot_read_its_child_aborts_the_job():
     # np=4: rank 2 relays rank 3's announcements to rank 0 in the negotiation tree.
-    run = run_mpi(4, WORKER, timeout=120, args=["relay"])
+    run = launch("relay")
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert ("[tf_mpi rank 2] ERROR: internal error in the negotiation with rank 0: tf_mpi: truncated negotiation "
             "message") in run.output, run.describe()

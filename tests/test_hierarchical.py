@@ -9,7 +9,7 @@ TF_MPI_HIERARCHICAL=auto and the errors for invalid settings.
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, check_names, prefetch_by_np, shared_launch
 
 WORKER = "hierarchical_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
@@ -18,13 +18,13 @@ LAUNCHES = {
     4: {**STALL, "TF_MPI_TEST_TOPOLOGIES": "2x2", "TF_MPI_TEST_TF": "1"},
     6: {**STALL, "TF_MPI_TEST_TOPOLOGIES": "2x3,3x2"},
 }
-_runs = {}
 
 
-def launch(np):
-    if np not in _runs:
-        _runs[np] = run_mpi(np, WORKER, timeout=240, env=LAUNCHES[np])
-    return _runs[np]
+def launch(np, start=False):
+    return shared_launch(np, WORKER, timeout=240, env=LAUNCHES[np], start=start)
+
+
+prefetch = prefetch_by_np(launch)
 
 
 # The checks that need TensorFlow run only in the launch that imports it.

@@ -4,17 +4,18 @@ accumulation, sparse gradients, XLA), DistributedGradientTape, callbacks,
 save/load and SyncBatchNormalization."""
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, check_names, shared_launch
 
 WORKER = "keras_worker.py"
-_runs = {}
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "90"}
 
 
-def launch():
-    if "run" not in _runs:
-        _runs["run"] = run_mpi(2, WORKER, timeout=600, env={"TF_MPI_STALL_CHECK_TIME_SECONDS": "20",
-                                                           "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "90"})
-    return _runs["run"]
+def launch(start=False):
+    return shared_launch(2, WORKER, timeout=600, env=ENV, start=start)
+
+
+def prefetch(items):
+    launch(start=True)
 
 
 def test_launch_exits_cleanly():

@@ -15,24 +15,41 @@ import tempfile
 
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, check_names, shared_launch
 
 WORKER = "negotiation_worker.py"
 SIZES = (2, 4, 8)
-_runs = {}
+COUNTS = {n: tempfile.mkdtemp(prefix=f"tfmpi_negotiation_{n}_") for n in SIZES}  # where each launch counts
+SOAK_ENV = {"TF_MPI_CACHE_CAPACITY": "4", "TF_MPI_FUSION_THRESHOLD": "65536", "TF_MPI_FUSION_DIRECT_BYTES": "16384",
+            "TF_MPI_CHUNK_BYTES": "32768", "TF_MPI_STALL_CHECK_TIME_SECONDS": "20",
+            "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+
+
+def run_at(n, start=False):
+    return shared_launch(n, WORKER, timeout=300, env={"TF_MPI_NEGOTIATION_COUNTS": COUNTS[n]}, start=start)
+
+
+def soak_launch(start=False):
+    return shared_launch(6, "soak_worker.py", timeout=240, env=SOAK_ENV, args=["--rounds", "40"], start=start)
+
+
+def prefetch(items):
+    # The log2 comparison needs every size; the soak has its own launch.
+    for n in SIZES:
+        run_at(n, start=True)
+    if "test_soak_through_the_tree_at_np6" in {item.originalname for item in items}:
+        soak_launch(start=True)
 
 
 def launch(n):
-    if n not in _runs:
-        counts = tempfile.mkdtemp(prefix=f"tfmpi_negotiation_{n}_")
-        run = run_mpi(n, WORKER, timeout=300, env={"TF_MPI_NEGOTIATION_COUNTS": counts})
-        per_rank = {}
-        for name in os.listdir(counts):
-            mode, rank = name.split(".rank")
-            with open(os.path.join(counts, name)) as f:
-                per_rank.setdefault(mode, {})[int(rank.split(".")[0])] = json.load(f)
-        _runs[n] = (run, per_rank)
-    return _runs[n]
+    """(the run, {mode: {rank: its counters}}) of the launch at np=n."""
+    run = run_at(n)
+    per_rank = {}
+    for name in os.listdir(COUNTS[n]):
+        mode, rank = name.split(".rank")
+        with open(os.path.join(COUNTS[n], name)) as f:
+            per_rank.setdefault(mode, {})[int(rank.split(".")[0])] = json.load(f)
+    return run, per_rank
 
 
 def tree_children(r, n):
@@ -94,9 +111,6 @@ def test_soak_through_the_tree_at_np6():
     """tests/workers/soak_worker.py (threads, orders that differ per rank, a 4-entry cache so that
     names keep moving between cached and full announcements, join at random points) at np=6,
     where the tree has two levels and an uneven shape: every result exact and identical."""
-    env = {"TF_MPI_CACHE_CAPACITY": "4", "TF_MPI_FUSION_THRESHOLD": "65536", "TF_MPI_FUSION_DIRECT_BYTES": "16384",
-           "TF_MPI_CHUNK_BYTES": "32768", "TF_MPI_STALL_CHECK_TIME_SECONDS": "20",
-           "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-    run = run_mpi(6, "soak_worker.py", timeout=240, env=env, args=["--rounds", "40"])
+    run = soak_launch()
     assert_check(run, 6, "check_soak_results_are_exact_and_identical_on_every_rank")
     assert "soak: " in run.output and "stalled" not in run.output, run.describe()

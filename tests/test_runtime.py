@@ -2,18 +2,36 @@
 sub-communicators, shutdown/re-init, stall detection and job abort."""
 import pytest
 
-from mpi_harness import assert_check, run_mpi
+from mpi_harness import assert_check, shared_launch
 
 WORKER = "runtime_worker.py"
-_runs = {}
+STALL = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "4"}
+AUTOTUNE = {shm: {"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1", "TF_MPI_SHM": shm} for shm in ("0", "1")}
+MERGE = {"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"}
+NO_ABORT = {"TF_MPI_ABORT_ON_EXCEPTION": "0"}
 
 
-def launch(scenario, np=2, env=None, timeout=180):
+def launch(scenario, np=2, env=None, timeout=180, start=False):
     """One launch per scenario and environment, shared by the tests that check it."""
-    key = (scenario, tuple(sorted((env or {}).items())))
-    if key not in _runs:
-        _runs[key] = run_mpi(np, WORKER, timeout=timeout, env=env, args=[scenario])
-    return _runs[key]
+    return shared_launch(np, WORKER, timeout=timeout, env=env, args=[scenario], start=start)
+
+
+# test -> the launches it checks (scenario, np, env, timeout)
+LAUNCHES = {
+    "test_mpi4py_initialises_first": [("mpi4py_first", 3, None, 180)],
+    "test_tf_mpi_initialises_first": [("tf_mpi_first", 2, None, 180)],
+    "test_stall_is_reported_by_name_and_then_fails": [("stall", 2, STALL, 180)],
+    "test_autotune_switches_settings_on_every_rank_at_once": [("autotune", 2, AUTOTUNE[s], 180) for s in AUTOTUNE],
+    "test_autotuned_plan_holds_allreduces_back_and_results_stay_exact": [("merge", 2, MERGE, 180)],
+    "test_uncaught_exception_aborts_the_job": [("abort", 2, None, 120)],
+    "test_uncaught_exception_without_abort_still_ends_the_job": [("abort", 2, NO_ABORT, 120)],
+}
+
+
+def prefetch(items):
+    for name in dict.fromkeys(item.originalname for item in items):
+        for scenario, np, env, timeout in LAUNCHES.get(name, []):
+            launch(scenario, np, env, timeout, start=True)
 
 
 def clean(run):
@@ -37,7 +55,7 @@ def test_tf_mpi_initialises_first(check):
 
 
 def test_stall_is_reported_by_name_and_then_fails():
-    run = launch("stall", env={"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "4"})
+    run = launch("stall", env=STALL)
     clean(run)
     assert_check(run, 2, "check_stalled_collective_fails_instead_of_hanging")
     # Rank 0's stall inspector names the tensor and the missing rank before failing it.
@@ -56,8 +74,7 @@ def tuned_run(scenario, env, check):
 
 @pytest.mark.parametrize("shm", ["0", "1"])
 def test_autotune_switches_settings_on_every_rank_at_once(shm):
-    run = tuned_run("autotune", {"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1", "TF_MPI_SHM": shm},
-                    "check_autotune_changes_settings_identically_and_results_stay_exact")
+    run = tuned_run("autotune", AUTOTUNE[shm], "check_autotune_changes_settings_identically_and_results_stay_exact")
     # Rank 0 logs every candidate's step time and its choice: 5 direct_bytes
     # values, 4 fusion thresholds, 3 MPI chunk sizes. Over shared memory no
     # tensor can skip a fusion buffer, so direct_bytes is left alone.
@@ -76,8 +93,7 @@ def test_autotune_switches_settings_on_every_rank_at_once(shm):
 
 
 def test_autotuned_plan_holds_allreduces_back_and_results_stay_exact():
-    run = tuned_run("merge", {"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"},
-                    "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
+    run = tuned_run("merge", MERGE, "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
     # Three allreduces per step: 4 ways to merge neighbours, each timed, then the choice.
     timed = [line for line in run.output.splitlines() if line.startswith("  groups ") and ": median step " in line]
     assert len(timed) == 4 and "chosen: " in run.output, run.describe()
@@ -95,7 +111,7 @@ def test_uncaught_exception_aborts_the_job():
 def test_uncaught_exception_without_abort_still_ends_the_job():
     # Opt-out: rank 1 exits normally; its exit shuts its engine down, which
     # fails rank 0's pending collective instead of leaving it waiting.
-    run = run_mpi(2, WORKER, timeout=120, env={"TF_MPI_ABORT_ON_EXCEPTION": "0"}, args=["abort"])
+    run = launch("abort", env=NO_ABORT, timeout=120)
     assert not run.timed_out, run.describe()
     assert run.returncode != 0 and run.elapsed < 60, run.describe()
     assert "boom on rank 1" in run.output and "rank 1 called shutdown()" in run.output, run.describe()

@@ -3,7 +3,7 @@ rank in rank-dependent orders, random sizes (fused, direct, chunked), a response
 cache of 4 entries (most names negotiate in full; cached ones change shape in
 place) and join() at random points. See tests/workers/soak_worker.py, which is
 also the benchmark (longer --rounds)."""
-from mpi_harness import assert_check, run_mpi
+from mpi_harness import assert_check, shared_launch
 
 ENV = {"TF_MPI_CACHE_CAPACITY": "4", "TF_MPI_FUSION_THRESHOLD": "65536", "TF_MPI_FUSION_DIRECT_BYTES": "16384",
        "TF_MPI_CHUNK_BYTES": "32768",
@@ -12,8 +12,16 @@ ENV = {"TF_MPI_CACHE_CAPACITY": "4", "TF_MPI_FUSION_THRESHOLD": "65536", "TF_MPI
 ROUNDS = 150  # ~5,000 collectives; about 10 s on 2 busy cores
 
 
+def launch(start=False):
+    return shared_launch(3, "soak_worker.py", timeout=120, env=ENV, args=["--rounds", str(ROUNDS)], start=start)
+
+
+def prefetch(items):
+    launch(start=True)
+
+
 def test_soak():
-    run = run_mpi(3, "soak_worker.py", timeout=120, env=ENV, args=["--rounds", str(ROUNDS)])
+    run = launch()
     assert_check(run, 3, "check_soak_results_are_exact_and_identical_on_every_rank")
     assert "soak: " in run.output and "stalled" not in run.output, run.describe()
     print([line for line in run.output.splitlines() if line.startswith("soak: ")][0])

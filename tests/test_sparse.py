@@ -9,13 +9,14 @@ tests/workers/sparse_worker.py.
 """
 import pytest
 
-from mpi_harness import assert_check, cached_launches, check_names
+from mpi_harness import assert_check, check_names, prefetch_by_np, shared_launches
 
 WORKER = "sparse_worker.py"
 # A collective that some ranks never submit fails after 30 s instead of hanging the launch;
 # no start-up overlap probe (the grouping plan is not what is tested here).
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
-launch = cached_launches(WORKER, ENV)
+launch = shared_launches(WORKER, ENV)
+prefetch = prefetch_by_np(launch)
 
 
 @pytest.mark.parametrize("np", [2, 3])

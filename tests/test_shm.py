@@ -9,7 +9,7 @@ same process and with numpy; TF_MPI_SHM=0 keeps it off; and a rank that exits
 in the middle of a stream of shared-memory allreduces ends the job."""
 import pytest
 
-from mpi_harness import assert_check, check_names, run_mpi
+from mpi_harness import assert_check, check_names, param, shared_launch
 
 WORKER = "shm_worker.py"
 # A 4 KiB pipeline chunk makes small arrays take many steps; arrays of 1 KiB
@@ -26,22 +26,26 @@ LAUNCHES = {
     "off": (2, {"TF_MPI_SHM": "0", "TF_MPI_TEST_ONLY": "check_path_taken_matches_setting,"
                 "check_stream_with_response_cache,check_tensorflow_ops_fused_and_timeline"}),
 }
-# Each way of writing the slots, fixed (auto measures and uses both; the
-# large-bucket check asserts which ran).
-LARGE = "check_large_bucket_of_odd_pieces"
-SLOT_WRITES = {f"{how}_np{np}": (np, {"TF_MPI_SHM": "1", "TF_MPI_SHM_SLOT_WRITES": how, "TF_MPI_TEST_ONLY": LARGE,
-                                     **SMALL_STEPS})
-               for how, np in (("streamed", 2), ("streamed", 3), ("cached", 2))}
-LAUNCHES.update(SLOT_WRITES)
+# Each way of writing the slots, fixed (auto measures and uses both), is checked in the np2 and np3
+# launches: check_large_bucket_with_slots_{streamed,cached} restart the engine with the setting.
 OFF_CHECKS = LAUNCHES["off"][1]["TF_MPI_TEST_ONLY"].split(",")
-_runs = {}
+DIE = (2, {"SHM_SCENARIO": "die", "TF_MPI_SHM": "1"})
 
 
-def launch(key):
-    if key not in _runs:
-        np, env = LAUNCHES[key]
-        _runs[key] = run_mpi(np, WORKER, timeout=240, env=env)
-    return _runs[key]
+def launch(key, start=False):
+    np, env = DIE if key == "die" else LAUNCHES[key]
+    return shared_launch(np, WORKER, timeout=120 if key == "die" else 240, env=env, start=start)
+
+
+# The launch of each test that is not parametrized by it.
+KEY_OF_TEST = {"test_waiting_on_shared_memory_keeps_mpi_progressing": "progress",
+               "test_shm_off_keeps_the_mpi_path": "off", "test_rank_exiting_mid_stream_ends_the_job": "die"}
+
+
+def prefetch(items):
+    for key in dict.fromkeys(param(item, "key", KEY_OF_TEST.get(item.originalname)) for item in items):
+        if key is not None:
+            launch(key, start=True)
 
 
 @pytest.mark.parametrize("key", ["np2", "np3"])
@@ -54,11 +58,6 @@ def test_waiting_on_shared_memory_keeps_mpi_progressing():
     assert_check(launch("progress"), 2, PROGRESS)
 
 
-@pytest.mark.parametrize("key", sorted(SLOT_WRITES))
-def test_each_way_of_writing_slots(key):
-    assert_check(launch(key), LAUNCHES[key][0], LARGE)
-
-
 @pytest.mark.parametrize("check", OFF_CHECKS)
 def test_shm_off_keeps_the_mpi_path(check):
     assert_check(launch("off"), 2, check)
@@ -67,7 +66,7 @@ def test_shm_off_keeps_the_mpi_path(check):
 def test_rank_exiting_mid_stream_ends_the_job():
     # Rank 1 exits (os._exit) 1.5 s into a stream of 4 MiB shared-memory
     # allreduces: no rank may be left waiting on its flags.
-    run = run_mpi(2, WORKER, timeout=120, env={"SHM_SCENARIO": "die", "TF_MPI_SHM": "1"})
+    run = launch("die")
     assert not run.timed_out, run.describe()
     assert run.returncode != 0 and run.elapsed < 90, run.describe()
     # The survivor normally sees the peer's death first (an error naming it);

@@ -228,6 +228,10 @@ def check_large_bucket_of_odd_pieces():
     # (shm_allreduce.cc StreamCopy), and its slots either way (SlotWrites:
     # TF_MPI_SHM_SLOT_WRITES, measured when auto); odd piece sizes make every
     # copy start and end off alignment. Bit for bit equal to the MPI path.
+    large_bucket_of_odd_pieces(SLOT_WRITES)
+
+
+def large_bucket_of_odd_pieces(slot_writes):
     if SHM == "0":
         raise SkipCheck("shared memory is off in this launch")
     streamed_before, large_runs = _core.stats()["shm_streamed_slots"], 0
@@ -245,9 +249,9 @@ def check_large_bucket_of_odd_pieces():
             assert_matches(shm[i], mpi[i], reference(op_name, c, dtype, seed=i), dtype, f"{name}[{i}]")
         assert_same_on_every_rank(shm, name)
     streamed = _core.stats()["shm_streamed_slots"] - streamed_before
-    expected = {"streamed": large_runs, "cached": 0}.get(SLOT_WRITES)
+    expected = {"streamed": large_runs, "cached": 0}.get(slot_writes)
     if expected is not None:
-        assert streamed == expected, f"TF_MPI_SHM_SLOT_WRITES={SLOT_WRITES}: {streamed} of {large_runs} streamed"
+        assert streamed == expected, f"TF_MPI_SHM_SLOT_WRITES={slot_writes}: {streamed} of {large_runs} streamed"
     assert 0 <= streamed <= large_runs, (streamed, large_runs)
 
 
@@ -464,6 +468,32 @@ def check_tensorflow_ops_fused_and_timeline():
         assert not any(e.get("name", "").startswith("MEMCPY_") for e in events), "fusion-buffer copies on shm"
         small = [e["args"]["bytes"] for e in events if e.get("name") == "MPI_ALLREDUCE"]
         assert all(b < MIN_BYTES for b in small), f"buckets of {small} bytes took the MPI path"
+
+
+# Each way of writing the slots, fixed. The engine reads TF_MPI_SHM_SLOT_WRITES at init(), so these
+# restart it with the setting instead of a launch each; they come last, and put the launch's own
+# setting back after.
+def large_bucket_with_slot_writes(how):
+    if SHM == "0":
+        raise SkipCheck("shared memory is off in this launch")
+    hvd.shutdown()
+    os.environ["TF_MPI_SHM_SLOT_WRITES"] = how
+    try:
+        hvd.init()
+        large_bucket_of_odd_pieces(how)
+    finally:
+        if hvd.is_initialized():
+            hvd.shutdown()
+        os.environ["TF_MPI_SHM_SLOT_WRITES"] = SLOT_WRITES
+        hvd.init()
+
+
+def check_large_bucket_with_slots_streamed():
+    large_bucket_with_slot_writes("streamed")
+
+
+def check_large_bucket_with_slots_cached():
+    large_bucket_with_slot_writes("cached")
 
 
 run_checks(globals(), R)

@@ -15,11 +15,13 @@ the missing-data message and the schedule module (no MPI needed).
 import json
 import math
 import os
+import pathlib
 import sys
+import tempfile
 
 import pytest
 
-from mpi_harness import assert_resumed_example, launch_env, run_bounded, run_example
+from mpi_harness import assert_resumed_example, launch_env, run_bounded, run_example, shared_run, start_shared
 
 
 # 1500 reviews x 50 words per rank, 30 steps per epoch; the learning-rate
@@ -31,31 +33,61 @@ SMALL = ["--synthetic", "--train-samples", "3000", "--test-samples", "600", "--m
 LAUNCH_TIMEOUT = 300
 
 
-def run_imdb(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
+WORKDIR = pathlib.Path(tempfile.mkdtemp(prefix="tfmpi_imdb_lstm_"))  # made at import: launches start early
+SAVING = ["--checkpoint-dir", str(WORKDIR / "ckpt"), "--plot", str(WORKDIR / "curves.png")]
+
+
+def run_imdb(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=str(WORKDIR)):
     return run_example("imdb_lstm.py", args, np=np, timeout=timeout, cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("imdb_lstm")
+def first_then_resumed():
+    """A (fresh start, 1 epoch), its checkpoint as A left it (B replaces it), and B (resumes A for a
+    2nd epoch; only if A ended well)."""
+    first = run_imdb(SMALL + ["--epochs", "1"] + SAVING)
+    if first.timed_out or first.returncode != 0 or first.result is None:
+        return first, None, None
+    state = _state(WORKDIR)
+    saved = {"state": state, "model_exists": os.path.exists(WORKDIR / "ckpt" / state["model"])}
+    return first, saved, run_imdb(SMALL + ["--epochs", "2"] + SAVING)
+
+
+MIXED = SMALL + ["--epochs", "2", "--precision", "mixed_float16"]
+MISSING_DATA = ["--data", str(WORKDIR / "absent" / "imdb.npz")]
+
+
+def prefetch(items):
+    names = {item.originalname for item in items}
+    if names & {"test_first_run_trains_and_checkpoints", "test_resume_starts_at_saved_epoch_with_identical_replicas",
+                "test_float32_accuracy", "test_mixed_float16_matches_float32"}:
+        start_shared(first_then_resumed)
+    if "test_mixed_float16_matches_float32" in names:
+        start_shared(run_imdb, MIXED)
+    if "test_missing_data_says_how_to_get_it" in names:
+        start_shared(run_imdb, MISSING_DATA, np=None, timeout=120)
+    if "test_schedule_module_without_mpi" in names:
+        start_shared(run_schedule_checks)
 
 
 @pytest.fixture(scope="module")
-def first_run(workdir):
-    return run_imdb(SMALL + ["--epochs", "1", "--checkpoint-dir", str(workdir / "ckpt"),
-                                "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+def workdir():
+    return WORKDIR
 
 
 @pytest.fixture(scope="module")
-def resumed_run(first_run, workdir):
+def first_run():
+    return shared_run(first_then_resumed)[0]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(first_run):
     first_run.assert_ok()
-    return run_imdb(SMALL + ["--epochs", "2", "--checkpoint-dir", str(workdir / "ckpt"),
-                                "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+    return shared_run(first_then_resumed)[2]
 
 
 @pytest.fixture(scope="module")
-def mixed_run(workdir):
-    return run_imdb(SMALL + ["--epochs", "2", "--precision", "mixed_float16"], cwd=str(workdir))
+def mixed_run():
+    return shared_run(run_imdb, MIXED)
 
 
 def _state(workdir):
@@ -69,15 +101,16 @@ def expected_lr(step):
     return base * DECAY ** math.floor(step / STEPS_PER_EPOCH)  # past the 0.5-epoch warm-up
 
 
-def test_first_run_trains_and_checkpoints(first_run, workdir):
+def test_first_run_trains_and_checkpoints(first_run):
     first_run.assert_ok()
     r = first_run.result
     assert (r["ranks"], r["precision"], r["initial_epoch"], r["epochs_run"]) == (2, "float32", 0, 1), r
     assert r["train_samples_per_rank"] == 1500, r
     assert r["weights_identical"] and r["optimizer_state_identical"], r
-    state = _state(workdir)
+    saved = shared_run(first_then_resumed)[1]  # the checkpoint right after this run
+    state = saved["state"]
     assert state["epoch"] == 1 and len(state["history"]) == 1, state
-    assert os.path.exists(workdir / "ckpt" / state["model"])
+    assert saved["model_exists"], state
 
 
 def test_resume_starts_at_saved_epoch_with_identical_replicas(resumed_run, workdir):
@@ -99,8 +132,8 @@ def test_mixed_float16_matches_float32(mixed_run, resumed_run):
     assert abs(m["val_accuracy"] - f["val_accuracy"]) <= 0.05, (m, f)
 
 
-def test_missing_data_says_how_to_get_it(workdir):
-    run = run_imdb(["--data", str(workdir / "absent" / "imdb.npz")], np=None, timeout=120, cwd=str(workdir))
+def test_missing_data_says_how_to_get_it():
+    run = shared_run(run_imdb, MISSING_DATA, np=None, timeout=120)
     assert not run.timed_out, run.describe()
     assert run.returncode not in (0, None), run.describe()
     assert "tf-keras-datasets/imdb.npz" in run.output and "--synthetic" in run.output, run.describe()
@@ -130,7 +163,10 @@ print("SCHEDULE_OK")
 """
 
 
-def test_schedule_module_without_mpi(workdir):
-    rc, output, _, timed_out = run_bounded([sys.executable, "-c", SCHEDULE_CHECKS], 120, launch_env(),
-                                           cwd=str(workdir))
+def run_schedule_checks():
+    return run_bounded([sys.executable, "-c", SCHEDULE_CHECKS], 120, launch_env(), cwd=str(WORKDIR))
+
+
+def test_schedule_module_without_mpi():
+    rc, output, _, timed_out = shared_run(run_schedule_checks)
     assert rc == 0 and not timed_out and "SCHEDULE_OK" in output, output

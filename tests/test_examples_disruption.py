@@ -14,10 +14,12 @@ C must land within 0.05 of it.
 """
 import json
 import os
+import pathlib
+import tempfile
 
 import pytest
 
-from mpi_harness import assert_resumed_example, run_example
+from mpi_harness import assert_resumed_example, run_example, shared_run, start_shared
 
 DISRUPTION, BENCHMARK = "disruption_lstm.py", "benchmark_lstm.py"
 
@@ -30,32 +32,59 @@ SMALL = ["--train-shots", "800", "--test-shots", "400", "--windows-per-shot", "4
 LAUNCH_TIMEOUT = 300
 
 
-def launch(script, args, np=2, timeout=LAUNCH_TIMEOUT, cwd=None):
+WORKDIR = pathlib.Path(tempfile.mkdtemp(prefix="tfmpi_disruption_lstm_"))  # made at import: launches start early
+SAVING = ["--checkpoint-dir", str(WORKDIR / "ckpt"), "--plot", str(WORKDIR / "curves.png")]
+MIXED = SMALL + ["--epochs", "2", "--precision", "mixed_float16", "--compression", "fp16"]
+BENCH_JSON = WORKDIR / "bench.json"
+BENCH = ["--steps", "3", "--warmup", "1", "--seq-len", "20", "--vocab", "2000", "--units", "32",
+         "--precision", "mixed_float16", "--compression", "fp16", "--json", str(BENCH_JSON)]
+
+
+def launch(script, args, np=2, timeout=LAUNCH_TIMEOUT, cwd=str(WORKDIR)):
     return run_example(script, args, np=np, timeout=timeout, cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("disruption_lstm")
+def first_then_resumed():
+    """A (fresh start, 1 epoch), its checkpoint as A left it (B replaces it), and B (resumes A for a
+    2nd epoch; only if A ended well)."""
+    first = launch(DISRUPTION, SMALL + ["--epochs", "1"] + SAVING)
+    if first.timed_out or first.returncode != 0 or first.result is None:
+        return first, None, None
+    state = _state(WORKDIR)
+    saved = {"state": state, "file_exists": os.path.exists(WORKDIR / "ckpt" / state["file"])}
+    return first, saved, launch(DISRUPTION, SMALL + ["--epochs", "2"] + SAVING)
+
+
+def prefetch(items):
+    names = {item.originalname for item in items}
+    if names & {"test_first_run_trains_and_checkpoints", "test_resume_starts_at_saved_epoch_with_identical_replicas",
+                "test_float32_shot_level_auc", "test_mixed_float16_matches_float32"}:
+        start_shared(first_then_resumed)
+    if "test_mixed_float16_matches_float32" in names:
+        start_shared(launch, DISRUPTION, MIXED)
+    if "test_benchmark_smoke" in names:
+        start_shared(launch, BENCHMARK, BENCH, timeout=200)
 
 
 @pytest.fixture(scope="module")
-def first_run(workdir):
-    return launch(DISRUPTION, SMALL + ["--epochs", "1", "--checkpoint-dir", str(workdir / "ckpt"),
-                                       "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+def workdir():
+    return WORKDIR
 
 
 @pytest.fixture(scope="module")
-def resumed_run(first_run, workdir):
+def first_run():
+    return shared_run(first_then_resumed)[0]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(first_run):
     first_run.assert_ok()
-    return launch(DISRUPTION, SMALL + ["--epochs", "2", "--checkpoint-dir", str(workdir / "ckpt"),
-                                       "--plot", str(workdir / "curves.png")], cwd=str(workdir))
+    return shared_run(first_then_resumed)[2]
 
 
 @pytest.fixture(scope="module")
-def mixed_run(workdir):
-    return launch(DISRUPTION, SMALL + ["--epochs", "2", "--precision", "mixed_float16", "--compression", "fp16"],
-                  cwd=str(workdir))
+def mixed_run():
+    return shared_run(launch, DISRUPTION, MIXED)
 
 
 def _state(workdir):
@@ -69,7 +98,7 @@ def expected_lr(step):
     return base * DECAY ** (step // STEPS_PER_EPOCH)  # past the 0.5-epoch warm-up
 
 
-def test_first_run_trains_and_checkpoints(first_run, workdir):
+def test_first_run_trains_and_checkpoints(first_run):
     first_run.assert_ok()
     r = first_run.result
     assert (r["example"], r["ranks"], r["precision"], r["initial_epoch"], r["epochs_run"]) == \
@@ -77,9 +106,10 @@ def test_first_run_trains_and_checkpoints(first_run, workdir):
     assert r["train_shots_per_rank"] == 400 and r["test_shots"] == 400, r
     assert r["weights_identical"] and r["optimizer_state_identical"], r
     assert 0.0 <= r["auc"] <= 1.0 and r["loss"] > 0, r
-    state = _state(workdir)
+    saved = shared_run(first_then_resumed)[1]  # the checkpoint right after this run
+    state = saved["state"]
     assert state["epoch"] == 1 and len(state["history"]) == 1, state
-    assert os.path.exists(workdir / "ckpt" / state["file"])
+    assert saved["file_exists"], state
 
 
 def test_resume_starts_at_saved_epoch_with_identical_replicas(resumed_run, workdir):
@@ -105,11 +135,9 @@ def test_mixed_float16_matches_float32(mixed_run, resumed_run):
     assert abs(m["auc"] - f["auc"]) <= 0.05, (m, f)
 
 
-def test_benchmark_smoke(workdir):
-    out = workdir / "bench.json"
-    run = launch(BENCHMARK, ["--steps", "3", "--warmup", "1", "--seq-len", "20", "--vocab", "2000",
-                             "--units", "32", "--precision", "mixed_float16", "--compression", "fp16",
-                             "--json", str(out)], timeout=200, cwd=str(workdir))
+def test_benchmark_smoke():
+    out = BENCH_JSON
+    run = shared_run(launch, BENCHMARK, BENCH, timeout=200)
     run.assert_ok()
     r = run.result
     assert r["example"] == "benchmark_lstm" and r["ranks"] == 2 and r["steps"] == 3, r

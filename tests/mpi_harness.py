@@ -162,6 +162,10 @@ _pool = None
 _futures = {}            # key -> Future of the launch's result
 _futures_lock = threading.Lock()
 _heavy = threading.Lock()  # launches that need several GiB of memory run one at a time
+# Launches that assert on timing between threads run alone (alone=True): they wait for the running
+# ones to end, and hold back the ones not yet started (writer preference, so they cannot starve).
+_gate = threading.Condition()
+_gate_state = {"running": 0, "alone_waiting": 0, "alone_running": False}
 
 
 def _executor():
@@ -182,24 +186,51 @@ def _key_of(fn, args, kwargs):
     return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), frozen(args), frozen(kwargs))
 
 
-def _run_guarded(fn, args, kwargs, heavy):
-    if heavy:
-        with _heavy:
-            return fn(*args, **kwargs)
-    return fn(*args, **kwargs)
+def _enter(alone):
+    g = _gate_state
+    with _gate:
+        if alone:
+            g["alone_waiting"] += 1
+            _gate.wait_for(lambda: g["running"] == 0 and not g["alone_running"])
+            g["alone_waiting"] -= 1
+            g["alone_running"] = True
+        else:
+            _gate.wait_for(lambda: not g["alone_running"] and g["alone_waiting"] == 0)
+        g["running"] += 1
 
 
-def start_shared(fn, *args, heavy=False, **kwargs):
+def _leave(alone):
+    g = _gate_state
+    with _gate:
+        g["running"] -= 1
+        if alone:
+            g["alone_running"] = False
+        _gate.notify_all()
+
+
+def _run_guarded(fn, args, kwargs, heavy, alone=False):
+    _enter(alone)
+    try:
+        if heavy:
+            with _heavy:
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    finally:
+        _leave(alone)
+
+
+def start_shared(fn, *args, heavy=False, alone=False, **kwargs):
     """Starts fn(*args, **kwargs) (a launch) in the background unless the same call was started
-    already; returns its Future. heavy=True: never at the same time as another heavy launch."""
+    already; returns its Future. heavy=True: never at the same time as another heavy launch;
+    alone=True: never at the same time as any other launch of this session."""
     key = _key_of(fn, args, kwargs)
     with _futures_lock:
         if key not in _futures:
-            _futures[key] = _executor().submit(_run_guarded, fn, args, kwargs, heavy)
+            _futures[key] = _executor().submit(_run_guarded, fn, args, kwargs, heavy, alone)
         return _futures[key]
 
 
-def shared_run(fn, *args, heavy=False, **kwargs):
+def shared_run(fn, *args, heavy=False, alone=False, **kwargs):
     """fn(*args, **kwargs) once per session: the result of the call started earlier with the same
     arguments (waiting for it), or of this call, run now in the caller's thread and kept."""
     key = _key_of(fn, args, kwargs)
@@ -210,17 +241,18 @@ def shared_run(fn, *args, heavy=False, **kwargs):
             future = _futures[key] = Future()
     if mine:
         try:
-            future.set_result(_run_guarded(fn, args, kwargs, heavy))
+            future.set_result(_run_guarded(fn, args, kwargs, heavy, alone))
         except BaseException as e:  # every caller of this launch sees the same error
             future.set_exception(e)
     return future.result()
 
 
-def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, start=False):
+def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, alone=False, start=False):
     """run_mpi(np, worker, timeout, env, args), once per session for the same arguments (see
     shared_run); start=True only starts it in the background and returns its Future."""
     call = start_shared if start else shared_run
-    return call(run_mpi, np, worker, timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy)
+    return call(run_mpi, np, worker, timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy,
+                alone=alone)
 
 
 def shared_launches(worker, env=None, timeout=300):

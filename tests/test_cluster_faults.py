@@ -31,7 +31,7 @@ import time
 import pytest
 
 import cluster
-from mpi_harness import WORKERS, _launcher, launch_env
+from mpi_harness import WORKERS, launch_env
 
 KILL_LIMIT_S = 10
 WATCHDOG_S = 2
@@ -62,8 +62,9 @@ def _wait(predicate, limit):
 def _job(c, scenario, hosts):
     out = tempfile.mkdtemp(prefix=f"tfmpi_flt_{scenario}_")
     run = _runs[scenario] = {"out": out, "hosts": hosts, "victim": hosts[2]}
-    cmd = [_launcher.find_mpirun(), "--host", ",".join(f"{h}:1" for h in hosts), "-np", "3", "--map-by", "node",
-           "-x", "TF_MPI_MPI_TIMEOUT_SECONDS", "-x", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", sys.executable, os.path.join(WORKERS, "cluster_fault_worker.py")]
+    # As a user launches across hosts (tf_mpi.run forwards the TF_MPI_* settings itself).
+    cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "3", "--host", ",".join(f"{h}:1" for h in hosts),
+           "--map-by", "node", sys.executable, os.path.join(WORKERS, "cluster_fault_worker.py")]
     env = c.env(launch_env({"TF_MPI_TEST_OUT": out, "TF_MPI_MPI_TIMEOUT_SECONDS": str(WATCHDOG_S),
                                       "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": str(STALL_S)}))
     log_path = os.path.join(out, "log")
@@ -141,13 +142,13 @@ def test_a_killed_host_ends_the_job_and_leaves_nothing(runs):
     assert run["victim"] in run["output"], "the launcher's message names the lost host\n" + _describe(run)
 
 
-@pytest.mark.xfail(strict=True, reason="Open MPI 5.0.11's prterun exits 0 when it loses a remote daemon "
-                                       "('PRTE has lost communication with a remote daemon'); tf_mpi's ranks "
-                                       "are killed by the launcher before they can fail")
 def test_a_killed_host_makes_the_launch_fail(runs):
+    # Open MPI 5.0.11's launcher itself exits 0 here ("PRTE has lost communication with a remote
+    # daemon"); tf_mpi.run turns the reported loss into exit status 1.
     run = runs["kill"]
     assert run["started"], _describe(run)
     assert run["rc"] != 0, _describe(run)
+    assert "tf_mpi.run: mpirun lost a host" in run["output"], _describe(run)
 
 
 def test_a_cut_link_is_an_error_on_every_connected_rank(runs):

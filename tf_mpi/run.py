@@ -29,7 +29,9 @@ What it adds to ``mpirun``:
   memory (``OMPI_MCA_btl=self,sm``), so no rank opens a TCP listener on the machine's addresses;
 - for a multi-host job: nothing that changes the transports (TCP between hosts, shared memory
   within each), and every ``TF_MPI_*`` variable of the launching shell forwarded to the ranks on
-  the other hosts (``-x``), which an ssh login would not pass on.
+  the other hosts (``-x``), which an ssh login would not pass on; and an exit status of 1 when
+  the job lost a host (Open MPI's launcher reports the loss, ends the job, and exits 0 itself:
+  :func:`run_reporting_lost_hosts`).
 
 A setting given on the command line (``--mca btl ...``) or already in the environment
 (``OMPI_MCA_btl``) wins over these defaults. Other launch settings are plain Open MPI ones, e.g.
@@ -42,6 +44,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 
 TWO_VALUE_OPTIONS = frozenset({"--mca", "-mca", "--gmca", "-gmca", "--prtemca", "--pmixmca"})
 """mpirun options followed by two words (a parameter name and its value)."""
@@ -261,6 +264,49 @@ def launch(np, options, program, env=None):
     return mpirun_command(np, program, options, local=local), env
 
 
+# Open MPI 5's launcher ends the job when it loses another host's daemon (the host died or can no
+# longer be reached), prints one of these, and still exits 0, as if the job had succeeded.
+LOST_HOST_MESSAGES = (b"lost communication with a remote daemon", b"A daemon failed to report back")
+
+
+def run_reporting_lost_hosts(argv, env):
+    """Runs ``argv`` (an mpirun command), passing its output through unchanged; returns its exit
+    status, or 1 where the launcher reported a lost host and exited 0 all the same.
+
+    Example::
+
+        rc = run_reporting_lost_hosts(*launch(4, ["--host", "h1:2,h2:2"], ["python", "train.py"]))
+    """
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lost = threading.Event()
+
+    def pass_on(source, sink):
+        tail = b""   # a message may straddle two reads
+        for chunk in iter(lambda: os.read(source.fileno(), 1 << 16), b""):
+            sink.write(chunk)
+            sink.flush()
+            window = tail + chunk
+            if any(m in window for m in LOST_HOST_MESSAGES):
+                lost.set()
+            tail = window[-256:]
+
+    pumps = [threading.Thread(target=pass_on, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+             threading.Thread(target=pass_on, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
+    for t in pumps:
+        t.start()
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:   # mpirun got the same SIGINT (one process group): let it end the job
+        rc = proc.wait()
+    for t in pumps:
+        t.join()
+    if rc == 0 and lost.is_set():
+        sys.stderr.write("tf_mpi.run: mpirun lost a host during the job (see its message above) and exited 0; "
+                         "exiting with 1\n")
+        return 1
+    return rc
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -270,7 +316,9 @@ def main(argv=None):
                          "[--] program [args...]\n")
         return 2
     cmd, env = launch(np, options, program)
-    return subprocess.call(cmd, env=env)
+    if is_single_host(options, env):
+        return subprocess.call(cmd, env=env)
+    return run_reporting_lost_hosts(cmd, env)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ HOROVOD_NAMES = {
     "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built", "start_timeline",
-    "stop_timeline", "join", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
+    "gloo_built", "nccl_built", "ccl_built", "ddl_built", "rocm_built", "cuda_built", "sycl_built",
+    "gpu_available", "start_timeline", "stop_timeline", "join", "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     "Compression",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
     "alltoall", "reducescatter", "grouped_reducescatter", "rank_op", "size_op", "local_rank_op",
@@ -89,7 +89,7 @@ def test_reduce_ops_are_documented_ints():
 def test_built_queries_answer_for_this_build():
     import tf_mpi
     assert tf_mpi.mpi_built() is True and tf_mpi.mpi_enabled() is True
-    for query in ("gloo_built", "ccl_built", "ddl_built", "rocm_built"):
+    for query in ("gloo_built", "ccl_built", "ddl_built", "rocm_built", "sycl_built"):
         assert getattr(tf_mpi, query)() is False, query
     assert type(tf_mpi.nccl_built()) is int and tf_mpi.nccl_built() == 0  # Horovod: NCCL's version code or 0
     assert isinstance(tf_mpi.cuda_built(), bool)

@@ -3,13 +3,13 @@
 This module does not import TensorFlow; it talks to the engine through the
 pybind11 binding ``tf_mpi._core``.
 """
-import enum
 import os
 import sys
 import traceback
 import warnings
 
 from tf_mpi._compat import warn_unused_argument
+from tf_mpi.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401  (re-exported)
 
 try:
     from tf_mpi import _core
@@ -20,31 +20,6 @@ except ImportError as e:  # pragma: no cover - only hit on a broken install
         "source tree, build in place with `python setup.py build_ext --inplace`, or install with "
         "`pip install --no-build-isolation .` and run from another directory.") from e
 
-
-class ReduceOp(enum.IntEnum):
-    """How ``allreduce`` and its relatives combine the ranks' values: ``hvd.Average``
-    (the default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max``, ``hvd.Product``; ``hvd.Adasum``
-    is accepted as a name and raises ``NotImplementedError`` when used.
-
-    The members are ints (the engine's values, cpp/core/types.h ReduceOp), so
-    code that passes or compares them as Horovod's integer constants keeps
-    working; the numbers differ from Horovod's: use the names.
-
-    Example::
-
-        hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)   # 2 ranks: [2.0, 4.0]
-        hvd.allreduce(loss)                                  # op=hvd.Average
-    """
-    Average = 0
-    Sum = 1
-    Min = 2
-    Max = 3
-    Product = 4
-    Adasum = 5
-
-
-Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
-                                           ReduceOp.Product, ReduceOp.Adasum)
 
 _previous_excepthook = None
 

@@ -1,67 +1,7 @@
-"""Gradient compression on the wire (Horovod's ``hvd.Compression``)."""
-import tensorflow as tf
-
-
-class Compressor:
-    """Turns a tensor into what is sent and back. Subclass and pass as ``compression=``.
-
-    Example::
-
-        class BF16Compressor(Compressor):
-            @staticmethod
-            def compress(tensor):
-                return tf.cast(tensor, tf.bfloat16), tensor.dtype
-
-            @staticmethod
-            def decompress(tensor, ctx):
-                return tf.cast(tensor, ctx)
-
-        hvd.allreduce(grad, compression=BF16Compressor)
-    """
-
-    @staticmethod
-    def compress(tensor):
-        """Returns ``(tensor_to_send, context)``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        """Inverse of ``compress`` given its context."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Sends tensors as they are (the default).
-
-    Example: ``hvd.allreduce(grad, compression=hvd.Compression.none)``
-    """
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
-    """Sends floating tensors as float16 (half the bytes), casts back after.
-
-    Example::
-
-        hvd.allreduce(grad, compression=hvd.Compression.fp16)
-    """
-
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
+"""Gradient compression on the wire (Horovod's ``hvd.Compression``): the plain codecs of
+tf_mpi.codecs and the sparsifying compressors of tf_mpi.topk_compression under one name."""
+from tf_mpi.codecs import Compressor, FP16Compressor, NoneCompressor  # noqa: F401  (Horovod's module has them)
+from tf_mpi.topk_compression import GTopKCompressor, TopKCompressor
 
 
 class Compression:
@@ -93,7 +33,6 @@ class Compression:
 
         Example: ``hvd.DistributedOptimizer(opt, compression=hvd.Compression.topk(0.01))``
         """
-        from tf_mpi.topk_compression import TopKCompressor
         return TopKCompressor(ratio, name="topk_compression")
 
     @staticmethod
@@ -104,5 +43,4 @@ class Compression:
 
         Example: ``hvd.DistributedGradientTape(tape, compression=hvd.Compression.gtopk(0.01))``
         """
-        from tf_mpi.topk_compression import GTopKCompressor
         return GTopKCompressor(ratio, name="gtopk_compression")

@@ -4,7 +4,8 @@ import tensorflow as tf
 from tf_mpi.basics import Average
 from tf_mpi.compression import Compression
 from tf_mpi.basics import _check_process_set
-from tf_mpi.reducer import GradientReducer, check_groups, mark_reduced, variable_key
+from tf_mpi.variable_identity import variable_key
+from tf_mpi.reducer import GradientReducer, check_groups, mark_reduced
 
 
 def _new_object(grad):

@@ -38,7 +38,8 @@ import tensorflow as tf
 from tf_mpi import process_sets
 from tf_mpi.basics import Adasum, Average
 from tf_mpi.compression import Compression
-from tf_mpi.reducer import GradientReducer, variable_key
+from tf_mpi.variable_identity import variable_key
+from tf_mpi.reducer import GradientReducer
 
 LegacyOptimizer = tf.compat.v1.train.Optimizer
 

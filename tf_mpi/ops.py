@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tf_mpi import adasum, basics, process_sets
 from tf_mpi.basics import Average, Sum, Min, Max, Product, Adasum, ReduceOp, _check_process_set
-from tf_mpi.compression import Compression
+from tf_mpi.codecs import NoneCompressor
 
 _lib = tf.load_op_library(os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtfmpi_tf.so"))
 
@@ -109,7 +109,7 @@ def _on_device(device):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
-def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=NoneCompressor, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None, ignore_name_scope=False):
     """Reduces ``tensor`` over all ranks; every rank gets the result.
 
@@ -218,7 +218,7 @@ def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_facto
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=NoneCompressor,
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None, ignore_name_scope=False,
                       name=None):
     """Reduces a list of tensors as one unit: negotiated together, fused per
@@ -346,7 +346,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     return out if splits is None else (out, tf.cast(received, tf.int32))
 
 
-def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None, process_set=None,
+def reducescatter(tensor, device_dense="", compression=NoneCompressor, op=Average, name=None, process_set=None,
                   ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0):
     """Reduces ``tensor`` over ranks and gives each rank a slice of the result along dim 0.
 
@@ -365,7 +365,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
                                  postscale_factor=postscale_factor, name=name)[0]
 
 
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, process_set=None,
+def grouped_reducescatter(tensors, device_dense="", compression=NoneCompressor, op=Average, process_set=None,
                           prescale_factor=1.0, postscale_factor=1.0, name=None):
     """reducescatter of several tensors (dtypes may differ) negotiated as one unit.
 

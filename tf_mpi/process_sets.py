@@ -31,7 +31,8 @@ import collections
 import os
 import threading
 
-from tf_mpi.basics import _core
+from tf_mpi import _core
+from tf_mpi.reduce_ops import Max, Min
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
@@ -215,7 +216,6 @@ def _agree_everywhere(ranks):
     """ValueError on every rank unless every rank registers the same set now (collective over all)."""
     import zlib
     import numpy as np
-    from tf_mpi.basics import Max, Min
     h = np.array([zlib.crc32(repr(list(ranks)).encode())], np.int64)
     lo = _core.allreduce(h, Min, "tfmpi.process_sets.agree.min")
     hi = _core.allreduce(h, Max, "tfmpi.process_sets.agree.max")

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_mpi import backprop_order, basics, grouping, ops, process_sets, sparse as sparse_gradients
 from tf_mpi.basics import Adasum, Average, Max, Min, Product, Sum
 from tf_mpi.compression import Compression
+from tf_mpi.variable_identity import variable_key
 
 # Reductions a gradient reducer passes to the allreduce (Horovod's tape takes any op).
 GRADIENT_OPS = (Average, Sum, Min, Max, Product, Adasum)
@@ -29,13 +30,6 @@ def map_gradient(grad, fn):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
     return fn(grad)
-
-
-def variable_key(variable):
-    """Identity of a variable for local-variable bookkeeping: a Keras 3 Variable
-    and the tf.Variable it wraps count as the same variable."""
-    inner = getattr(variable, "_value", None)
-    return id(inner) if isinstance(inner, tf.Variable) else id(variable)
 
 
 def check_groups(num_groups, groups, stacklevel=3):

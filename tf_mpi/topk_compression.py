@@ -41,8 +41,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_mpi import basics
+from tf_mpi import basics, ops
 from tf_mpi.basics import Average, Sum
+from tf_mpi.variable_identity import variable_key
 
 _INDEX_DTYPE = tf.int32
 
@@ -150,7 +151,6 @@ class SparsifyingCompressor(tf.Module):
 
     def residual_for(self, variable):
         """The residual variable kept for `variable` (created zero on first use)."""
-        from tf_mpi.reducer import variable_key
         key = variable_key(variable)
         if key not in self._residual_of:
             shape = variable.shape
@@ -368,5 +368,4 @@ def _mask(idx, n, dtype=tf.bool):
 
 
 def _mpi():
-    from tf_mpi import ops  # imported late: ops imports compression, which imports this module
     return ops

@@ -42,7 +42,8 @@ import tensorflow as tf
 from tf_mpi.basics import Adasum, Average, Sum
 from tf_mpi.compression import Compression
 from tf_mpi.basics import _check_process_set
-from tf_mpi.reducer import GradientReducer, check_groups, is_reduced, map_gradient, variable_key
+from tf_mpi.variable_identity import variable_key
+from tf_mpi.reducer import GradientReducer, check_groups, is_reduced, map_gradient
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 

@@ -1,7 +1,7 @@
 """What of the GPU path runs without a GPU (CI): the CUDA part's library, the
 transport choice and its override, the error for a GPU array when no GPU is
 usable, and the array collectives the GPU check uses. The GPU path itself is
-checked by ci/gpu_check.sh on a machine with an NVIDIA GPU (README, "GPUs"):
+checked by ci/gpu_check.sh on a machine with an NVIDIA GPU (docs/gpus.md):
 no test here can run a CUDA kernel."""
 import pytest
 

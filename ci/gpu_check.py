@@ -8,7 +8,7 @@ exits non-zero if any check failed on this rank. `--bench` instead times the
 engine's device-to-device allreduce against the naive route (device -> numpy
 -> MPI -> device, per tensor: what TensorFlow's host copies amount to).
 
-Not runnable in CI (no GPU there): see README, "GPUs", for what is and is not
+Not runnable in CI (no GPU there): see docs/gpus.md for what is and is not
 verified where.
 """
 import argparse

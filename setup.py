@@ -111,8 +111,8 @@ class BuildTfMpi(build_ext):
         os.makedirs(tmp, exist_ok=True)
         abi = [f for f in tf_cflags if "GLIBCXX_USE_CXX11_ABI" in f] or ["-D_GLIBCXX_USE_CXX11_ABI=1"]
         common = ["-std=c++17", "-O2", "-fPIC", "-fvisibility-inlines-hidden", "-Wall", "-Wno-sign-compare",
-                  *abi, *os.environ.get("TF_MPI_CXXFLAGS", "").split()]
-        headers = glob.glob(os.path.join(ROOT, "cpp", "*", "*.h"))
+                  f"-I{os.path.join(ROOT, 'cpp', 'core')}", *abi, *os.environ.get("TF_MPI_CXXFLAGS", "").split()]
+        headers = glob.glob(os.path.join(ROOT, "cpp", "**", "*.h"), recursive=True)
         newest_header = max(os.path.getmtime(h) for h in headers)
         print(f"tf_mpi: building with {mpicxx} against "
               + (f"TensorFlow {tf_version}" if with_tf else "no TensorFlow (TF_MPI_WITHOUT_TENSORFLOW)")
@@ -143,7 +143,7 @@ class BuildTfMpi(build_ext):
             os.replace(final + ".tmp", final)
 
         rpath = ["-Wl,-rpath,$ORIGIN", f"-L{out_dir}", "-ltfmpi_core"]
-        core_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "core", "*.cc")))
+        core_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "core", "**", "*.cc"), recursive=True))
         py_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "python", "*.cc")))
         tf_src = sorted(glob.glob(os.path.join(ROOT, "cpp", "tf", "*.cc")))
         py_flags = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}", "-fvisibility=hidden"]
@@ -153,14 +153,14 @@ class BuildTfMpi(build_ext):
             # default), so the library needs only the driver at run time.
             srcs = sorted(glob.glob(os.path.join(ROOT, "cpp", "cuda", "*.cu")))
             final = os.path.join(out_dir, "libtfmpi_cuda.so")
-            newest = max(os.path.getmtime(f) for f in srcs + [os.path.join(ROOT, "cpp", "core", "cuda_api.h")])
+            newest = max(os.path.getmtime(f) for f in srcs + [os.path.join(ROOT, "cpp", "core", "transports", "cuda_api.h")])
             if os.path.exists(final) and os.path.getmtime(final) > newest:
                 return
             archs = os.environ.get("TF_MPI_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
             gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
             gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
             cmd = [nvcc, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-                   *gencode, "-o", final + ".tmp", *srcs]
+                   f"-I{os.path.join(ROOT, 'cpp', 'core')}", *gencode, "-o", final + ".tmp", *srcs]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 fail(f"building the CUDA part failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}\n"

@@ -74,7 +74,7 @@ import numpy as np
 from tf_mpi import grouping
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-# The engine's defaults (cpp/core/env.cc; docs/configuration.md).
+# The engine's defaults (cpp/core/common/env.cc; docs/configuration.md).
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_DIRECT_BYTES = 256 << 10
 # The probe message sizes of tf_mpi.grouping.measure_cost_model.
@@ -316,7 +316,7 @@ def plan_cost_model(cluster, hierarchical, overlap):
 
 def engine_links():
     """(intra, inter): the Links of the running engine's hierarchical-allreduce model, the
-    inter-node one measured at start-up across nodes (cpp/core/link_probe.h) unless
+    inter-node one measured at start-up across nodes (cpp/core/transports/link_probe.h) unless
     TF_MPI_INTER_NODE_LINK gave it. Needs tf_mpi.init().
 
     Example: ``intra, inter = engine_links(); print(inter_node_link_setting(inter))``

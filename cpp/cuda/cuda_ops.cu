@@ -1,9 +1,9 @@
 // The CUDA part of the engine (libtfmpi_cuda.so): thin runtime-API wrappers
 // plus the two kernels the executor needs on device buffers, ScaleCopy and
 // FillIdentity. The engine reaches it only through tfmpi_cuda_api()
-// (core/cuda_api.h), so nothing here may throw, abort or print.
+// (core/transports/cuda_api.h), so nothing here may throw, abort or print.
 //
-// The kernels must give the same bits as core/scale.cc on x86-64, because a
+// The kernels must give the same bits as core/common/scale.cc on x86-64, because a
 // tensor may be scaled on the host on one rank and on a device on another.
 // The GPU differs from x86 where C++ leaves things open (NaN results,
 // out-of-range float->int casts), so those cases are emulated explicitly.
@@ -15,7 +15,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "../core/cuda_api.h"
+#include "transports/cuda_api.h"
 
 namespace {
 

@@ -10,10 +10,10 @@
 #include <limits>
 #include <memory>
 
-#include "../core/cuda_device.h"
-#include "../core/engine.h"
-#include "../core/link_probe.h"
-#include "../core/logging.h"
+#include "common/logging.h"
+#include "engine/engine.h"
+#include "transports/cuda_device.h"
+#include "transports/link_probe.h"
 
 namespace py = pybind11;
 using namespace tfmpi;

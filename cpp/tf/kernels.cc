@@ -12,7 +12,7 @@
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "xla/stream_executor/stream.h"
-#include "../core/engine.h"
+#include "engine/engine.h"
 
 namespace tensorflow {
 namespace {

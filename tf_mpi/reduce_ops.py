@@ -10,7 +10,7 @@ class ReduceOp(enum.IntEnum):
     (the default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max``, ``hvd.Product``, and ``hvd.Adasum``
     (the scale-invariant pairwise combination of tf_mpi.adasum).
 
-    The members are ints (the engine's values, cpp/core/types.h ReduceOp), so
+    The members are ints (the engine's values, cpp/core/common/types.h ReduceOp), so
     code that passes or compares them as Horovod's integer constants keeps
     working; the numbers differ from Horovod's: use the names.
 

@@ -1,4 +1,4 @@
-"""The package's layering: no import circles among tf_mpi's Python modules.
+"""The layering: no import circles among tf_mpi's Python modules, no upward include in cpp/core.
 
 Every import counts, also one inside a function: a circle means none of its modules can be read,
 tested or changed alone. Pure Python (the sources' syntax trees); no MPI, no TensorFlow.
@@ -86,3 +86,13 @@ def test_tf_mpi_has_no_import_circles():
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert graph["tf_mpi.reducer"] >= {"tf_mpi.ops", "tf_mpi.compression"}, graph["tf_mpi.reducer"]
     assert not circles(graph), circles(graph)
+
+
+def test_cpp_includes_follow_the_layer_order():
+    # cpp/README.md's rule (common <- transports <- execution <- negotiation <- engine), checked by
+    # the script that names every include against it.
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "cpp", "check_layers.py")], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -188,7 +188,7 @@ def reinit(**settings):
 
 # -- negotiation ---------------------------------------------------------------
 def tree_children(r, n):
-    """The binomial tree rooted at rank 0 (cpp/core/negotiation_tree.h): r + 2^j for 2^j < lowbit(r);
+    """The binomial tree rooted at rank 0 (cpp/core/negotiation/negotiation_tree.h): r + 2^j for 2^j < lowbit(r);
     rank 0's children are every 2^j < n."""
     span = n if r == 0 else r & -r
     return [r + 2 ** j for j in range(span.bit_length()) if 2 ** j < span and r + 2 ** j < n]

@@ -165,3 +165,40 @@ def synthetic_dataset(spec, batch_size, seed):
 def count_parameters(model):
     """Number of trainable scalars of `model`."""
     return int(sum(np.prod(v.shape) for v in model.trainable_variables))
+
+
+# ----------------------------------------------------------------------------- wide mlp
+
+WIDE_INPUT, WIDE_HIDDEN, WIDE_LAYERS = 1024, 1024, 3
+TEACHER_SEED = 1234
+
+
+def build_wide_mlp():
+    """1024-1024-1024-1024-10 MLP (3.16 million parameters, 12.6 MB of float32 gradient, all dense):
+    a model whose step is dominated by moving its gradient over a slow link."""
+    inputs = keras.Input((WIDE_INPUT,))
+    x = inputs
+    for _ in range(WIDE_LAYERS):
+        x = keras.layers.Dense(WIDE_HIDDEN, activation="relu")(x)
+    outputs = keras.layers.Dense(MLP_CLASSES, activation="softmax", dtype="float32")(x)
+    return keras.Model(inputs, outputs, name="wide_mlp")
+
+
+def teacher_inputs(shape, classes, seed=TEACHER_SEED):
+    """A make_inputs function for uniform random features whose labels a fixed random linear
+    teacher assigns (argmax of (x - 0.5) @ W): learnable, so held-out accuracy measures quality.
+    The teacher is the same for every caller (its own seed); the samples come from `rng`."""
+    dim = int(np.prod(shape))
+    w = np.random.default_rng(seed).standard_normal((dim, classes)).astype(np.float32)
+
+    def make(rng, n):
+        x = rng.random((n, *shape), dtype=np.float32)
+        y = np.argmax((x.reshape(n, dim) - 0.5) @ w, axis=1).astype(np.int32)
+        return x, y
+    return make
+
+
+MODELS["wide_mlp"] = ModelSpec(
+    "wide_mlp", build_wide_mlp, "sparse_categorical_crossentropy",
+    teacher_inputs((WIDE_INPUT,), MLP_CLASSES), timed_steps=40,
+    description="1024-1024-1024-1024-10 MLP, 12.6 MB of dense gradient, labels from a linear teacher")

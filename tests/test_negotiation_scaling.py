@@ -53,7 +53,7 @@ def launch(n):
 
 
 def tree_children(r, n):
-    """The binomial tree of cpp/core/negotiation_tree.h: r + 2^j for 2^j < lowbit(r) (rank 0: 2^j < n)."""
+    """The binomial tree of cpp/core/negotiation/negotiation_tree.h: r + 2^j for 2^j < lowbit(r) (rank 0: 2^j < n)."""
     span = n if r == 0 else r & -r
     return [r + 2**j for j in range(span.bit_length()) if 2**j < span and r + 2**j < n]
 

@@ -2,7 +2,7 @@
 the CUDA part's library, the transport choice, the error for a GPU array when
 no GPU is usable, and the array-level collectives the GPU check relies on
 (grouped allreduce, reducescatter) on host arrays. The GPU itself is checked
-by ci/gpu_check.sh on a machine that has one (README, "GPUs").
+by ci/gpu_check.sh on a machine that has one (docs/gpus.md).
 
 Loads tf_mpi.basics and the pybind module without TensorFlow, so each launch
 takes seconds. The scenario is argv[1]: default, forced_direct, bad_setting.

@@ -29,7 +29,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 

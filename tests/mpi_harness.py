@@ -79,6 +79,15 @@ def _log_launch(cmd, start, elapsed, timed_out):
                                 "cmd": " ".join(map(str, cmd))[-300:]}) + "\n")
 
 
+def process_alive(pid):
+    """Whether process `pid` still runs (a zombie has exited: it only waits for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def launch_env(extra=None):
     """Environment for launched ranks: Open MPI as root allowed, quiet TensorFlow, unbuffered output."""
     env = mpirun_env()
@@ -87,17 +96,23 @@ def launch_env(extra=None):
     return env
 
 
-def run_mpi(np, worker, timeout, env=None, args=()):
-    """Runs tests/workers/<worker> on np ranks; never waits longer than timeout seconds."""
-    out_dir = tempfile.mkdtemp(prefix="tfmpi_test_")
-    cmd = mpirun_command(np, [sys.executable, os.path.join(WORKERS, worker), *args])
-    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, launch_env({"TF_MPI_TEST_OUT": out_dir, **(env or {})}))
+def read_results(out_dir):
+    """{rank: that rank's check results} from the rank<N>.json files workers write to out_dir."""
     results = {}
     for name in os.listdir(out_dir):
         m = re.match(r"rank(\d+)\.json$", name)
         if m:
             with open(os.path.join(out_dir, name)) as f:
                 results[int(m.group(1))] = json.load(f)
+    return results
+
+
+def run_mpi(np, worker, timeout, env=None, args=()):
+    """Runs tests/workers/<worker> on np ranks; never waits longer than timeout seconds."""
+    out_dir = tempfile.mkdtemp(prefix="tfmpi_test_")
+    cmd = mpirun_command(np, [sys.executable, os.path.join(WORKERS, worker), *args])
+    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, launch_env({"TF_MPI_TEST_OUT": out_dir, **(env or {})}))
+    results = read_results(out_dir)
     if os.environ.get("TF_MPI_TEST_LAUNCH_LOG") and 0 in results:
         with open(os.environ["TF_MPI_TEST_LAUNCH_LOG"], "a") as f:  # where a launch's time went, per check
             f.write(json.dumps({"worker": worker, "np": np, "args": list(args), "elapsed": round(elapsed, 2),

@@ -20,9 +20,7 @@ Needs root (network namespaces); skipped with the reason otherwise.
 """
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +29,8 @@ import time
 import pytest
 
 import cluster
-from mpi_harness import WORKERS, ExampleRun, MpiRun, assert_check, check_names, launch_env, run_bounded
+from mpi_harness import (WORKERS, ExampleRun, MpiRun, assert_check, check_names, launch_env, read_results,
+                         run_bounded)
 
 PREFIX, NET = "xh", 7
 WORKER = "cluster_worker.py"
@@ -73,13 +72,7 @@ def launch_worker(c, np, where, with_tf, hosts, only=None, timeout=240):
         env["TF_MPI_TEST_ONLY"] = ",".join(only)
     rc, output, elapsed, timed_out = tf_mpi_run(c, np, where, [sys.executable, os.path.join(WORKERS, WORKER)],
                                                 env, timeout, cwd=out)
-    results = {}
-    for name in os.listdir(out):
-        m = re.match(r"rank(\d+)\.json$", name)
-        if m:
-            with open(os.path.join(out, name)) as f:
-                results[int(m.group(1))] = json.load(f)
-    return MpiRun(rc, output, results, elapsed, timed_out)
+    return MpiRun(rc, output, read_results(out), elapsed, timed_out)
 
 
 # Worker launches: name -> (ranks per host, in host order; how the hosts are given; with TensorFlow).

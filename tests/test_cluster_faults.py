@@ -31,7 +31,7 @@ import time
 import pytest
 
 import cluster
-from mpi_harness import WORKERS, launch_env
+from mpi_harness import WORKERS, launch_env, process_alive
 
 KILL_LIMIT_S = 10
 WATCHDOG_S = 2
@@ -40,14 +40,6 @@ LINK_LIMIT_S = 8            # watchdog 2 s (stall 3 s) + one check period + the 
 RELINK_LIMIT_S = 30
 START_TIMEOUT_S = 90
 _runs = {}
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _wait(predicate, limit):
@@ -90,7 +82,7 @@ def _job(c, scenario, hosts):
             run["gone_after"] = _t(_wait(everything_gone, KILL_LIMIT_S + 20), fault)
         else:
             c.set_link(run["victim"], False)
-            run["survivors_after"] = _t(_wait(lambda: not any(alive(p) for p in survivors), LINK_LIMIT_S + 20), fault)
+            run["survivors_after"] = _t(_wait(lambda: not any(process_alive(p) for p in survivors), LINK_LIMIT_S + 20), fault)
             time.sleep(1)   # the job is over for the connected side; then the cable goes back in
             run["launcher_waiting_at_relink"] = proc.poll() is None   # reported, not asserted
             relink = time.time()

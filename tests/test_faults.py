@@ -22,21 +22,12 @@ import time
 
 import pytest
 
-from mpi_harness import WORKERS, launch_env, mpirun_command, run_bounded
+from mpi_harness import WORKERS, launch_env, mpirun_command, process_alive, run_bounded
 
 FAULTS = ["kill", "raise", "exit", "exit0"]
 LIMIT_S = 5
 LAUNCH_TIMEOUT_S = 240
 _runs = {}
-
-
-def alive(pid):
-    """Whether `pid` still runs (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _launch(fault):
@@ -66,7 +57,7 @@ def _watch(run, proc, start):
     pids = [int(open(p).read()) for p in (os.path.join(run["out"], f"pid.{r}") for r in range(3))
             if os.path.exists(p)]
     while time.time() - start < LAUNCH_TIMEOUT_S + 5:
-        if proc.poll() is not None and not any(alive(p) for p in pids):
+        if proc.poll() is not None and not any(process_alive(p) for p in pids):
             run["last_exit"] = time.time()
             return
         time.sleep(0.01)
@@ -122,7 +113,7 @@ def test_a_lost_rank_ends_the_whole_job_promptly(runs, fault):
     assert run["rc"] != 0, describe
     assert after < LIMIT_S, f"{after:.1f} s after the fault\n" + describe
     pids = [int(open(os.path.join(run["out"], f"pid.{r}")).read()) for r in range(3)]
-    assert not [p for p in pids if alive(p)], f"processes left: {[p for p in pids if alive(p)]}\n" + describe
+    assert not [p for p in pids if process_alive(p)], f"processes left: {[p for p in pids if process_alive(p)]}\n" + describe
     assert re.search(WHO[fault], run["output"]), describe
     if fault == "raise":
         assert "MPI_ABORT was invoked on rank 1" in run["output"], describe

@@ -18,7 +18,6 @@ import os
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 import tensorflow as tf

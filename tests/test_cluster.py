@@ -220,9 +220,15 @@ def test_refuses_clearly(bed, how, wrapper, env, words):
     (and creates nothing)."""
     if wrapper and shutil.which(wrapper[0]) is None:
         pytest.skip(f"{wrapper[0]} (util-linux) is not installed")
-    code = REFUSAL.format(tests=os.path.dirname(os.path.abspath(__file__)), prefix=PREFIX + "r", net=NET + 2)
+    # An unprivileged user may not be able to read the checkout (a clone in a private folder): the
+    # check runs a copy of tests/cluster.py from a folder everyone can read.
+    copy = tempfile.mkdtemp(prefix="tfmpi_refusal_")
+    os.chmod(copy, 0o755)
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster.py"), copy)
+    os.chmod(os.path.join(copy, "cluster.py"), 0o644)
+    code = REFUSAL.format(tests=copy, prefix=PREFIX + "r", net=NET + 2)
     rc, output, _, timed_out = run_bounded([*wrapper, sys.executable, "-c", code], 60, {**os.environ, **env},
-                                           cwd=tempfile.gettempdir())
+                                           cwd=copy)
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert rc == 0 and not timed_out and len(lines) == 1, output
     reason, raised = json.loads(lines[0][len("RESULT "):])

@@ -160,13 +160,14 @@ def check_refusals_as_horovod():
         raises(lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum), NotImplementedError, "non-power of 2")
         raises(lambda: hvd.grouped_allreduce([tf.ones([2])], op=hvd.Adasum), NotImplementedError, "non-power of 2")
     assert hvd.check_num_rank_power_of_2(N) == POWER_OF_TWO
-    # Horovod 0.28.1 (tensorflow/__init__.py DistributedOptimizer): a Keras optimizer takes no Adasum,
-    # through either entry point; checked before any communication.
+    # Horovod 0.28.1: a Keras optimizer takes no Adasum, through either entry point, checked before any
+    # communication: horovod.tensorflow's DistributedOptimizer names Adasum, the Keras module's refuses
+    # every op but Average and Sum.
     import keras
     import tf_mpi.keras as hvd_keras
-    for make in (hvd.DistributedOptimizer, hvd_keras.DistributedOptimizer):
-        raises(lambda: make(keras.optimizers.SGD(0.1), op=hvd.Adasum), ValueError,
-               "op == Adasum is not supported yet with Keras")
+    for make, words in ((hvd.DistributedOptimizer, "op == Adasum is not supported yet with Keras"),
+                        (hvd_keras.DistributedOptimizer, "op=Average or op=Sum")):
+        raises(lambda: make(keras.optimizers.SGD(0.1), op=hvd.Adasum), ValueError, words)
 
 
 if __name__ == "__main__":

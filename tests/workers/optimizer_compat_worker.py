@@ -293,7 +293,11 @@ def check_distributed_optimizer_takes_horovods_positional_order():
            "gradient_predivide_factor")
     for fn in (hvd.DistributedOptimizer, hvdk.DistributedOptimizer):
         for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):  # Horovod's Keras optimizer: Average and Sum
-            raises(lambda: fn(sgd(1.0), op=op), ValueError, "op=Average or op=Sum")
+            # horovod.tensorflow's entry names Adasum with its own words; the Keras module's refuses
+            # every other op with the same ValueError.
+            words = "Adasum is not supported yet with Keras" if (fn, op) == (hvd.DistributedOptimizer, hvd.Adasum) \
+                else "op=Average or op=Sum"
+            raises(lambda: fn(sgd(1.0), op=op), ValueError, words)
         raises(lambda: fn(sgd(1.0), process_set=object()), ValueError, "not registered")
         fn(sgd(1.0), process_set=GLOBAL_SET)  # Horovod's global_process_set: accepted
 

@@ -30,6 +30,7 @@ import tf_mpi as _tf_mpi
 from tf_mpi import *  # noqa: F401,F403  (init, rank, size, ... as in tf_mpi)
 from tf_mpi import ops as _ops
 from tf_mpi.basics import Average as _Average
+from tf_mpi.basics import Sum as _Sum
 from tf_mpi.compression import Compression as _Compression
 from tf_mpi.keras import callbacks  # noqa: F401
 # The Keras elastic module (KerasState and callbacks), not tf_mpi.elastic that the * import bound.
@@ -107,6 +108,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
         model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     """
+    if op not in (_Average, _Sum):   # Horovod's Keras entry refuses every other op first, Adasum included
+        raise ValueError(f"tf_mpi: DistributedOptimizer reduces with op=Average or op=Sum; got {op!r}")
     _check_process_set(process_set, "DistributedOptimizer")
     groups = _check_groups(num_groups, groups)
     return _optimizer._distributed_optimizer(

@@ -14,6 +14,16 @@ class SkipCheck(Exception):
     """Raised by a check that cannot run in this launch; the reason is shown by pytest."""
 
 
+def set_environ(settings):
+    """Sets each variable of `settings` (a dict) in os.environ; a value of None unsets it.
+    Workers call it before restarting the engine, which reads its TF_MPI_* settings at init."""
+    for name, value in settings.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+
+
 def run_checks(module_globals, rank):
     checks = [(n, f) for n, f in module_globals.items() if n.startswith("check_") and inspect.isfunction(f)]
     checks.sort(key=lambda nf: nf[1].__code__.co_firstlineno)  # file order, identical on every rank

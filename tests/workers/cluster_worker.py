@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import SkipCheck, run_checks  # noqa: E402
+from _checks import SkipCheck, run_checks, set_environ  # noqa: E402
 
 from tf_mpi import basics  # noqa: E402
 from tf_mpi.basics import _core  # noqa: E402
@@ -178,11 +178,7 @@ def reinit(**settings):
     """Shuts the engine down and initialises it again with these TF_MPI_* settings (None: unset)."""
     COMM.Barrier()
     _core.shutdown()
-    for k, v in settings.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    set_environ(settings)
     basics.init()
 
 

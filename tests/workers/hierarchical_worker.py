@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import SkipCheck, run_checks  # noqa: E402
+from _checks import SkipCheck, run_checks, set_environ  # noqa: E402
 
 from tf_mpi import basics  # noqa: E402
 from tf_mpi.basics import _core  # noqa: E402
@@ -53,11 +53,7 @@ def reinit(**settings):
     """Shuts the engine down (if up) and initialises it with these TF_MPI_* settings (None: unset)."""
     if _core.is_initialized():
         _core.shutdown()
-    for name in SETTINGS:
-        os.environ.pop(name, None)
-    for name, value in settings.items():
-        if value is not None:
-            os.environ[name] = str(value)
+    set_environ({**{name: None for name in SETTINGS}, **settings})
     basics.init()
 
 

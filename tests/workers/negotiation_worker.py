@@ -17,7 +17,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _checks import run_checks  # noqa: E402
+from _checks import run_checks, set_environ  # noqa: E402
 
 # The pybind module alone (tf_mpi/__init__.py imports TensorFlow).
 _pkg = types.ModuleType("tf_mpi")
@@ -36,11 +36,7 @@ STALL = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SEC
 def reinit(**env):
     """shutdown() + init() with `env` set (the engine reads its settings at init)."""
     _core.shutdown()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    set_environ(env)
     _core.init()
 
 

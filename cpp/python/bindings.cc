@@ -32,9 +32,16 @@ std::shared_ptr<Engine> SetEngine(int id) {
   return e;
 }
 
+// A rank of the job was lost (elastic mode): tf_mpi._core.PeerLostError, a RuntimeError.
+class PeerLostError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 void Raise(const Status& s) {
   if (s.ok()) return;
   if (s.code == StatusCode::kInvalidArgument) throw py::value_error(s.message);
+  if (s.code == StatusCode::kUnavailable) throw PeerLostError(s.message);
   throw std::runtime_error(s.message);
 }
 
@@ -340,6 +347,7 @@ py::object Allgather(py::object in, const std::string& name, int set) {
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tf_mpi engine binding (runtime and numpy collectives)";
+  py::register_exception<PeerLostError>(m, "PeerLostError", PyExc_RuntimeError);
   m.def("init", [](std::optional<int64_t> fortran_comm, std::vector<int> ranks) {
           InitOptions opts;
           if (fortran_comm) { opts.has_comm = true; opts.fortran_comm = static_cast<MPI_Fint>(*fortran_comm); }

@@ -40,6 +40,7 @@ absl::Status ToTfStatus(const tfmpi::Status& s) {
     case tfmpi::StatusCode::kInvalidArgument: return errors::InvalidArgument(s.message);
     case tfmpi::StatusCode::kPrecondition: return errors::FailedPrecondition(s.message);
     case tfmpi::StatusCode::kAborted: return errors::Aborted(s.message);
+    case tfmpi::StatusCode::kUnavailable: return errors::Unavailable(s.message);
     default: return errors::Internal(s.message);
   }
 }

@@ -74,6 +74,11 @@ EngineConfig EngineConfig::FromEnv() {
   if (shape != "tree" && shape != "star")
     throw std::invalid_argument("tf_mpi: TF_MPI_NEGOTIATION=" + shape + " is not tree or star");
   c.negotiation_tree = shape == "tree";
+  const char* elastic = std::getenv("TF_MPI_ELASTIC");
+  const std::string elastic_value = elastic ? elastic : "";
+  if (elastic_value != "" && elastic_value != "0" && elastic_value != "1")
+    throw std::invalid_argument("tf_mpi: TF_MPI_ELASTIC=" + elastic_value + " is not 0 or 1");
+  c.elastic = elastic_value == "1";
   const char* shm = std::getenv("TF_MPI_SHM");
   c.shm = shm && *shm ? shm : "auto";
   if (c.shm != "auto" && c.shm != "0" && c.shm != "1")
@@ -98,7 +103,7 @@ std::string EngineConfig::ToString() const {
      << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes
      << " negotiation=" << (negotiation_tree ? "tree" : "star") << " " << hierarchical.ToString()
      << " shm=" << shm << " shm_min_bytes=" << shm_min_bytes << " shm_chunk_bytes=" << shm_chunk_bytes
-     << " shm_slot_writes=" << shm_slot_writes;
+     << " shm_slot_writes=" << shm_slot_writes << " elastic=" << (elastic ? 1 : 0);
   return os.str();
 }
 

@@ -36,6 +36,9 @@ struct EngineConfig {
   int64_t shm_min_bytes;           // TF_MPI_SHM_MIN_BYTES: smaller allreduces keep the MPI path (auto and 1)
   int64_t shm_chunk_bytes;         // TF_MPI_SHM_CHUNK_BYTES: bytes of a buffer one pipeline step reduces
   std::string shm_slot_writes;     // TF_MPI_SHM_SLOT_WRITES: auto (measured), cached or streamed; rank 0's applies
+  // TF_MPI_ELASTIC=1: a lost peer fails collectives instead of ending the job
+  // (transports/peer_failure.h); set by `python -m tf_mpi.run --min-np ...`.
+  bool elastic;
   static EngineConfig FromEnv();
   std::string ToString() const;
 };

@@ -24,7 +24,8 @@ const char* ReduceOpName(ReduceOp op);
 const char* CollectiveName(CollectiveType t);
 
 // Why a collective failed; the message is shown to the user verbatim.
-enum class StatusCode : uint8_t { kOk = 0, kInvalidArgument, kPrecondition, kAborted, kInternal };
+// kUnavailable: a rank of the job was lost (elastic mode, transports/peer_failure.h).
+enum class StatusCode : uint8_t { kOk = 0, kInvalidArgument, kPrecondition, kAborted, kInternal, kUnavailable };
 
 struct Status {
   StatusCode code = StatusCode::kOk;
@@ -35,6 +36,7 @@ struct Status {
   static Status Precondition(std::string m) { return {StatusCode::kPrecondition, std::move(m)}; }
   static Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 };
 
 using Shape = std::vector<int64_t>;

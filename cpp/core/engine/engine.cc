@@ -7,6 +7,7 @@
 
 #include "common/logging.h"
 #include "transports/link_probe.h"
+#include "transports/peer_failure.h"
 
 namespace tfmpi {
 
@@ -135,6 +136,18 @@ Status Engine::Init(const InitOptions& opts) {
   } catch (const std::exception& e) {
     settings = Status::Invalid(e.what());
   }
+  // A peer lost while starting (elastic mode): init() fails like a collective would.
+  try {
+    return InitOnMpi(opts, settings);
+  } catch (const PeerFailure& e) {
+    mpi_.Release();
+    return Status::Unavailable(e.what());
+  }
+}
+
+Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
+  opts.elastic = config_.elastic;
+  if (opts.elastic) ResetPeerFailures();
   // MPI starts even when this rank's settings are unreadable: the other ranks
   // are inside collectives of their own init() (MPI_Comm_dup) and would wait
   // for this one forever; instead every rank learns of it below and fails.
@@ -159,7 +172,7 @@ Status Engine::Init(const InitOptions& opts) {
   {
     StateLock lock(mu_);
     stop_requested_ = false;
-    stop_reason_.clear();
+    stop_status_ = Status::OK();
   }
   // Asking the MPI needs no GPU and no CUDA library, so the transport is known
   // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
@@ -257,7 +270,10 @@ Status Engine::Enqueue(std::unique_ptr<Request> r) {
   };
   {
     StateLock lock(mu_);
-    if (stop_requested_) return Status::Precondition(stop_reason_.empty() ? "tf_mpi has been shut down" : stop_reason_);
+    if (stop_requested_)
+      return stop_status_.ok() ? Status::Precondition("tf_mpi has been shut down")
+             : stop_status_.code == StatusCode::kUnavailable ? stop_status_
+                                                             : Status::Precondition(stop_status_.message);
     queue_.push_back(std::move(r));
     if (drive) driving_ = true;
   }
@@ -337,11 +353,11 @@ bool Engine::RunProtocol(bool on_caller, bool* deferred) {
   }
   const bool progressed = protocol_->Step(std::move(fresh), stop_requested, on_caller, deferred);
   std::optional<Tunables> settings = protocol_->TakeSettings();
-  std::string stopped = protocol_->TakeStopReason();
-  if (settings || !stopped.empty()) {
+  Status stopped = protocol_->TakeStopStatus();
+  if (settings || !stopped.ok()) {
     StateLock lock(mu_);
     if (settings) tunables_ = *settings;
-    if (!stopped.empty()) stop_reason_ = std::move(stopped);
+    if (!stopped.ok()) stop_status_ = std::move(stopped);
   }
   return progressed;
 }
@@ -420,7 +436,10 @@ void Engine::Loop() {
     {
       StateLock lock(mu_);
       stop_requested_ = true;  // refuse new work until the next init()
-      for (auto& r : queue_) r->done(Status::Aborted(stop_reason_.empty() ? "tf_mpi has been shut down" : stop_reason_));
+      const Status why = stop_status_.ok() ? Status::Aborted("tf_mpi has been shut down")
+                         : stop_status_.code == StatusCode::kUnavailable ? stop_status_
+                                                                         : Status::Aborted(stop_status_.message);
+      for (auto& r : queue_) r->done(why);
       queue_.clear();
     }
     if (lost.messages > 0) {

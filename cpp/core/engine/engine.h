@@ -26,7 +26,7 @@
 //    only while no engine thread runs), so the engine's MPI calls are
 //    serialised; see MpiContext::Init for the thread level required.
 //  - mu_ (taken through StateLock): guards queue_, stop_requested_,
-//    stop_reason_, driving_, handoff_ and tunables_, and cv_ waits on it. It
+//    stop_status_, driving_, handoff_ and tunables_, and cv_ waits on it. It
 //    may be taken while holding progress_mu_, never the other way round.
 //  - Completion callbacks (Request::done) never run under an engine lock: the
 //    protocol queues them (completions_) and whoever ran the protocol calls
@@ -133,6 +133,8 @@ class Engine {
   using Completions = std::vector<Completion>;
 
   Engine();
+  // Init's part from MPI on (settings: whether this rank's TF_MPI_* could be read).
+  Status InitOnMpi(InitOptions opts, const Status& settings);
   void Loop();
   // One Step of the protocol with what callers queued (see Protocol::Step).
   bool RunProtocol(bool on_caller, bool* deferred);
@@ -166,7 +168,7 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Request>> queue_;
   bool stop_requested_ = false;
-  std::string stop_reason_;  // why Enqueue refuses work after the protocol ended on its own (Fail)
+  Status stop_status_;  // why Enqueue refuses work after the protocol ended on its own (Fail, Lose)
   bool driving_ = false;   // a caller is in Drive(): the background thread stays asleep
   bool handoff_ = false;   // a caller left Drive() with work in flight: the background thread takes over
   Tunables tunables_;  // a copy for callers; the executor's own copy is the one that acts

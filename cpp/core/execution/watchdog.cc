@@ -9,6 +9,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "transports/mpi_context.h"
+#include "transports/peer_failure.h"
 
 namespace tfmpi {
 
@@ -81,8 +82,10 @@ void Watchdog::Monitor() {
     what += " (" + std::to_string(bytes_) + " bytes)";
     const double waited_s = std::chrono::duration<double>(waited).count();
     const double limit_s = std::chrono::duration<double>(limit_).count();
+    in_flight_ = false;  // once per batch
     lock.unlock();
     Expire(what, waited_s, limit_s);
+    lock.lock();
   }
 }
 
@@ -92,9 +95,13 @@ void Watchdog::Expire(const std::string& what, double waited_s, double limit_s) 
                 "collective %s has been inside MPI for %.3g s without completing (limit %.3g s: "
                 "TF_MPI_MPI_TIMEOUT_SECONDS=%g + bytes / TF_MPI_MPI_TIMEOUT_MB_PER_S=%g MB/s). Every rank had "
                 "submitted it, so a peer or the network between the ranks stopped responding (a cut link, a "
-                "frozen host or process); aborting the job",
+                "frozen host or process)",
                 what.c_str(), waited_s, limit_s, settings_.seconds, settings_.mb_per_s);
-  LogError(text);
+  if (WatchingPeerFailures()) {
+    RevokeEngineCommunicators(text);
+    return;
+  }
+  LogError(std::string(text) + "; aborting the job");
   AbortJob(1);
   std::abort();  // not reached: AbortJob ends the process
 }

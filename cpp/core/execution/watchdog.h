@@ -21,7 +21,9 @@
 // still inside the MPI call and the tensors' memory is still MPI's, so there
 // is nothing to return to. Every surviving rank sees its own batch stuck, so
 // each one logs the error and aborts; AbortJob (mpi_context.h) bounds MPI_Abort, which
-// itself may wait on a launcher that cannot reach the lost host.
+// itself may wait on a launcher that cannot reach the lost host. In elastic
+// mode it revokes the engine's communicators instead: the stuck call then
+// fails here and on every rank, and the job goes on without the lost peer.
 //
 // Hot path: Begin and End take one uncontended mutex and read the clock
 // (tens of nanoseconds against >= 10 us per collective). The monitor thread
@@ -66,7 +68,9 @@ class Watchdog {
  private:
   using Clock = std::chrono::steady_clock;
   void Monitor();
-  [[noreturn]] void Expire(const std::string& what, double waited_s, double limit_s);
+  // Aborts the job; in elastic mode revokes the engine's communicators instead
+  // (the stuck call fails on every rank, transports/peer_failure.h) and returns.
+  void Expire(const std::string& what, double waited_s, double limit_s);
 
   WatchdogSettings settings_;
   std::mutex mu_;

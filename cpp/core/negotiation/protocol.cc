@@ -4,6 +4,7 @@
 
 #include "common/logging.h"
 #include "negotiation/wire.h"
+#include "transports/peer_failure.h"
 
 namespace tfmpi {
 
@@ -71,6 +72,11 @@ bool Protocol::TryReceive(int source, int tag, int* from) {
 bool Protocol::Step(std::deque<std::unique_ptr<Request>> fresh, bool stop_requested, bool on_caller, bool* deferred) {
   try {
     return StepOrThrow(fresh, stop_requested, on_caller, deferred);
+  } catch (const PeerFailure& e) {
+    Lose(e.what());
+    for (auto& r : fresh)
+      if (r) r->done(stop_status_);
+    return true;
   } catch (const std::exception& e) {
     if (rank_ != 0) {
       // A worker that cannot read the negotiation no longer knows which
@@ -84,7 +90,7 @@ bool Protocol::Step(std::deque<std::unique_ptr<Request>> fresh, bool stop_reques
     // wait in no collective and can be told to stop.
     Fail(e.what());
     for (auto& r : fresh)
-      if (r) r->done(Status::Internal(stop_reason_));
+      if (r) r->done(stop_status_);
     return true;
   }
 }
@@ -349,6 +355,8 @@ void Protocol::RunBatch() {
     }
     WatchdogScope watch(name ? watchdog_ : nullptr, name, decisions.size(), name && watchdog_ ? BatchBytes(decisions) : 0);
     ok = executor_.Run(decisions, &in_flight_, &cache_);
+  } catch (const PeerFailure&) {
+    throw;  // Step ends the protocol (Lose); the other ranks' calls fail alike
   } catch (const std::exception& e) {
     // Nothing checked beforehand failed (limits are checked on every rank
     // alike before any MPI call, executor.cc): e.g. memory ran out on this
@@ -397,12 +405,27 @@ void Protocol::Fail(const std::string& why) {
   coordinator_gone_ = true;
   FailAll(&in_flight_, Status::Internal(msg));
   done_ = true;
-  stop_reason_ = msg;
+  stop_status_ = Status::Internal(msg);
+}
+
+void Protocol::Lose(const std::string& why) {
+  if (!lost_) LogError(why);
+  lost_ = true;
+  stop_status_ = Status::Unavailable(why);
+  FailAll(&in_flight_, stop_status_);
+  ready_.clear();
+  done_ = true;
 }
 
 Outbox::Undelivered Protocol::Close(const Status& why, Outbox::Clock::duration limit) {
   FailAll(&in_flight_, why);
-  return outbox_.Close(limit);
+  // After a loss the communicator is revoked: nothing more will be delivered, so no waiting.
+  try {
+    return outbox_.Close(lost_ ? Outbox::Clock::duration::zero() : limit);
+  } catch (const PeerFailure& e) {  // the loss shows only now; the handler no longer throws
+    Lose(e.what());
+    return outbox_.Close(Outbox::Clock::duration::zero());
+  }
 }
 
 }  // namespace tfmpi

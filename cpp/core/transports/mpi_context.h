@@ -25,6 +25,7 @@ struct InitOptions {
   MPI_Fint fortran_comm = 0;
   std::vector<int> ranks;    // else, if non-empty: these ranks of MPI_COMM_WORLD
   bool process_set = false;  // an engine of a process set (engine.h), not the global one
+  bool elastic = false;      // a lost peer fails calls instead of ending the job (peer_failure.h)
 };
 
 class MpiContext {

@@ -1,5 +1,7 @@
 #include "transports/shm_segment.h"
 
+#include "transports/peer_failure.h"
+
 #include <errno.h>
 #include <sched.h>
 #include <signal.h>
@@ -214,6 +216,8 @@ Status ShmSegment::WaitFor(int peer, Flag f, uint64_t value) {
                           " s (TF_MPI_STALL_SHUTDOWN_TIME_SECONDS)");
     if (!s.ok()) {
       Break(s);
+      // Elastic mode: the same failure as an MPI call's, so that every rank recovers alike.
+      if (WatchingPeerFailures()) RaisePeerFailure(s.message);
       return s;
     }
   }

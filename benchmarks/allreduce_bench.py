@@ -2,7 +2,11 @@
 
 Run (from the repository root; rank 0 prints, every rank measures)::
 
-    mpirun -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json] [--only sizes|storm]
+    python -m tf_mpi.run -np 2 python benchmarks/allreduce_bench.py [--repeats N] [--json out.json] \
+        [--only sizes|storm|chain|overlap]
+
+``--only chain`` and ``--only overlap`` are the two parts not run by default, (c) and (d)
+below. Timing, rounds and the JSON record come from benchmarks/harness.py.
 
 What it measures (float32, op=Sum, all times are per allreduce):
 
@@ -53,16 +57,42 @@ multiples of it ("x bound").
 
 The closing target lines (PASS/FAIL) are informational; the exit code is 0
 whenever the results were correct.
+
+(c) ``--only chain [--length 50]``: the per-op cost of small allreduces inside one
+    tf.function. Chain: `length` dependent 1 KiB allreduces, each feeding the next, so the
+    time per op is one full round trip through TensorFlow's executor and the engine. Burst:
+    4 x `length` independent 1 KiB allreduces (one op per tensor, as a gradient storm of
+    small tensors submits them): whether the ops are negotiated together or one round trip
+    after another. Each is compared with the same graph of tf.identity (TensorFlow's own
+    per-op cost), samples interleaved; `--repeats` samples (default 20). Used to choose
+    TF_MPI_SPIN_US / TF_MPI_POLL_US / TF_MPI_INLINE_* (run it with different values).
+
+(d) ``--only overlap [--seconds 2]``: how much an allreduce slows the computation running
+    beside it on the same core, and back. Each rank runs a compute thread (single-threaded
+    float32 256x256 matmuls in numpy, which releases the GIL) and, at the same time, a loop
+    of allreduces of one size (4 KiB - 8 MiB) through the engine (numpy, no TensorFlow).
+    Per size it prints, as a Markdown table: the compute thread's speed beside the
+    allreduces as a share of its speed alone (1.00 = the allreduces cost it nothing); the
+    time per allreduce beside the compute, alone, and raw ``MPI_Allreduce`` alone, in the
+    same launch. Open MPI busy-polls inside every call while it waits for the peers; the
+    figures show what that costs a computation sharing the core. Ranks are bound one per
+    core, as mpirun does by default with 2 ranks on 2 cores.
 """
 import argparse
 import json
 import os
-import platform
 import sys
+import threading
 import time
 
-import numpy as np
-import tensorflow as tf
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # (d): a single-threaded compute thread
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 # Must run before TensorFlow executes anything.
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -108,17 +138,12 @@ def fail(message):
 
 
 def calls_per_sample(fn):
-    """Runs fn a few times (warm-up) and returns K such that K calls take ~TARGET_SAMPLE_S.
+    """K such that K calls of fn take ~TARGET_SAMPLE_S, the same on every rank (harness.calls_per_sample)."""
+    return harness.calls_per_sample(fn, comm, TARGET_SAMPLE_S, MAX_CALLS_PER_SAMPLE)
 
-    The estimate is the slowest rank's, so that every rank uses the same K.
-    """
-    fn()  # first call: tracing / warm caches
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-    est = comm.allreduce((time.perf_counter() - t0) / 3, op=MPI.MAX)
-    return max(1, min(MAX_CALLS_PER_SAMPLE, int(TARGET_SAMPLE_S / max(est, 1e-9))))
+
+def slowest_rank(seconds):
+    return comm.allreduce(seconds, op=MPI.MAX)
 
 
 def time_interleaved(fns, repeats, k, label):
@@ -130,15 +155,16 @@ def time_interleaved(fns, repeats, k, label):
     Samples of the different fns are interleaved. Returns name -> stats dict
     (seconds per call; a sample counts as the slowest rank's time).
     """
-    samples = {name: np.empty(repeats) for name in fns}
+    samples = {name: [] for name in fns}
     wrong = []
     for i in range(repeats):
-        for name, (fn, expected) in fns.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                outputs = fn()
-            samples[name][i] = (time.perf_counter() - t0) / k
+        for name in harness.rotation(fns, i):
+            fn, expected = fns[name]
+            outputs = []
+
+            def call(fn=fn):
+                outputs[:] = fn()
+            samples[name].append(harness.timed_sample(call, k, comm.Barrier, slowest_rank))
             if expected is not None and not all(np.allclose(np.asarray(o), expected, rtol=1e-6, atol=0)
                                                 for o in outputs):
                 wrong.append(f"rank {comm.rank}: {name}, sample {i}: result is not all {expected}")
@@ -148,12 +174,9 @@ def time_interleaved(fns, repeats, k, label):
         fail(f"{label}: wrong results while timing (details above)")
     out = {}
     for name, s in samples.items():
-        slowest = np.empty_like(s)
-        comm.Allreduce(s, slowest, op=MPI.MAX)
-        p25, p50, p75 = np.percentile(slowest, [25, 50, 75])
-        out[name] = dict(median_s=float(p50), p25_s=float(p25), p75_s=float(p75),
-                         min_s=float(slowest.min()), max_s=float(slowest.max()),
-                         repeats=repeats, calls_per_sample=k)
+        st = harness.summarize(s)
+        out[name] = dict(median_s=st["median"], p25_s=st["p25"], p75_s=st["p75"], min_s=st["min"],
+                         max_s=st["max"], repeats=repeats, calls_per_sample=k)
     return out
 
 
@@ -471,48 +494,184 @@ def target_checks(sizes, storm):
     return checks
 
 
+def bench_chain(length, repeats):
+    """(c): per-op time of a chain and a burst of 1 KiB allreduces in one tf.function, against tf.identity."""
+    x = tf.ones([256])
+    scale = 1.0 / comm.size
+
+    @tf.function
+    def chain(t):
+        for i in range(length):
+            t = hvd.allreduce(t, op=hvd.Sum, postscale_factor=scale, name=f"chain.{i}")
+        return t
+
+    @tf.function
+    def identity_chain(t):
+        for _ in range(length):
+            t = tf.identity(t) * 1.0
+        return t
+
+    burst_inputs = [tf.ones([256]) for _ in range(4 * length)]
+
+    @tf.function
+    def burst(ts):
+        return [hvd.allreduce(t, op=hvd.Sum, postscale_factor=scale, name=f"burst.{i}") for i, t in enumerate(ts)]
+
+    @tf.function
+    def identity_burst(ts):
+        return [tf.identity(t) * 1.0 for t in ts]
+
+    if not (np.allclose(chain(x).numpy(), 1.0) and all(np.allclose(t.numpy(), 1.0) for t in burst(burst_inputs))):
+        fail("chain/burst: wrong allreduce results")
+    identity_chain(x)
+    identity_burst(burst_inputs)
+    ops = {"chain": length, "identity chain": length, "burst": len(burst_inputs),
+           "identity burst": len(burst_inputs)}
+    runs = {"chain": lambda: chain(x), "identity chain": lambda: identity_chain(x),
+            "burst": lambda: burst(burst_inputs), "identity burst": lambda: identity_burst(burst_inputs)}
+    samples = harness.interleave(
+        {name: (lambda name=name: harness.timed_sample(runs[name], 1, comm.Barrier, slowest_rank) / ops[name])
+         for name in runs}, repeats)
+    stats = {name: harness.summarize(v) for name, v in samples.items()}
+    log(f"\n(c) per-op time of 1 KiB allreduces in one tf.function, median [min-max] over {repeats} samples")
+    log(f"per-op: allreduce chain {stats['chain']['median'] * 1e6:.0f} us; identity chain "
+        f"{stats['identity chain']['median'] * 1e6:.0f} us   (chain {harness.cell(stats['chain'], 1e6, 'us')})")
+    log(f"per-op: allreduce burst of {len(burst_inputs)} {stats['burst']['median'] * 1e6:.0f} us; identity burst "
+        f"{stats['identity burst']['median'] * 1e6:.0f} us   (burst {harness.cell(stats['burst'], 1e6, 'us')})")
+    log(f"({basics._core.config()})")
+    return dict(length=length, burst_ops=len(burst_inputs), per_op_s=stats)
+
+
+OVERLAP_SIZES = [4 << 10, 256 << 10, 1 << 20, 8 << 20]
+
+
+class ComputeThread:
+    """(d): multiplies 256x256 float32 matrices until stopped; counts them."""
+
+    def __init__(self):
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        a = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)
+        while not self._stop.is_set():
+            np.matmul(a, a)
+            self.count += 1
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.rate = self.count / (time.perf_counter() - self.start)
+
+
+def time_calls(fn, seconds):
+    """Median seconds per call of the collective fn() over about `seconds`; rank 0 picks the number
+    of calls from five trial calls (every rank must make the same number)."""
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    calls = comm.bcast(max(5, int(seconds / max(np.median(samples), 1e-6))), root=0)
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples[5:]))
+
+
+def bench_overlap(seconds):
+    """(d): the compute thread's speed beside allreduces, and the allreduces' beside it (Markdown table)."""
+    comm.Barrier()
+    with ComputeThread() as alone:
+        time.sleep(seconds)
+    log("\n(d) allreduce beside computation on the same core")
+    log("| bytes | compute speed beside allreduces | allreduce beside compute | "
+        "allreduce alone | raw MPI_Allreduce alone |")
+    log("|---|---|---|---|---|")
+    results = []
+    for nbytes in OVERLAP_SIZES:
+        x = np.ones(nbytes // 4, np.float32)
+        out = np.empty_like(x)
+
+        def ours():
+            basics._core.allreduce(x, hvd.Sum, f"overlap.{nbytes}")
+
+        def raw():
+            comm.Allreduce(x, out, op=MPI.SUM)
+
+        ours()
+        comm.Barrier()
+        ours_alone = time_calls(ours, seconds / 2)
+        comm.Barrier()
+        raw_alone = time_calls(raw, seconds / 2)
+        comm.Barrier()
+        with ComputeThread() as beside:
+            ours_beside = time_calls(ours, seconds)
+        comm.Barrier()
+        r = {"bytes": nbytes, "compute_share": beside.rate / alone.rate,
+             "allreduce_beside_us": ours_beside * 1e6, "allreduce_alone_us": ours_alone * 1e6,
+             "raw_alone_us": raw_alone * 1e6}
+        results.append(r)
+        log(f"| {r['bytes']} | {r['compute_share']:.2f} | {r['allreduce_beside_us']:.0f} us | "
+            f"{r['allreduce_alone_us']:.0f} us | {r['raw_alone_us']:.0f} us |")
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=None,
                         help="samples per measurement (default: adaptive, 40 for <=1 MiB down to 15 for >16 MiB)")
     parser.add_argument("--json", default=None, help="write all measured numbers to this file (rank 0)")
-    parser.add_argument("--only", choices=("sizes", "storm"), default=None,
-                        help="run only part (a) or part (b); the target lines need both")
+    parser.add_argument("--only", choices=("sizes", "storm", "chain", "overlap"), default=None,
+                        help="run only part (a) or (b) (the target lines need both), or part (c) or (d), "
+                             "which run only when asked for")
+    parser.add_argument("--length", type=int, default=50, help="(c) chain length; the burst is 4x as many ops")
+    parser.add_argument("--seconds", type=float, default=2.0, help="(d) length of each timed phase")
     args = parser.parse_args()
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
 
     if not tf.config.experimental.get_synchronous_execution():
         fail("TensorFlow eager execution is asynchronous; timings would not include the work")
+    record = harness.Record("allreduce_bench", path=args.json) if comm.rank == 0 else None
     hvd.init()
     if hvd.size() != comm.size:
         fail(f"tf_mpi has {hvd.size()} ranks but MPI_COMM_WORLD has {comm.size}")
-    start = time.perf_counter()
+    info = dict(ranks=hvd.size(), mpi_library=MPI.Get_library_version().replace("\x00", "").strip(),
+                engine_config=basics._core.config(), intra_op_threads=1, inter_op_threads=2)
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TF_MPI_")}
-    info = dict(command=" ".join([sys.executable] + sys.argv), ranks=hvd.size(), tf_version=tf.__version__,
-                mpi4py_version=__import__("mpi4py").__version__,
-                mpi_library=MPI.Get_library_version().replace("\x00", "").strip(),
-                engine_config=basics._core.config(), tf_mpi_env=env, host=platform.node(),
-                intra_op_threads=1, inter_op_threads=2)
     log("tf_mpi allreduce benchmark")
-    log(f"  command        : {info['command']}")
-    log(f"  ranks          : {info['ranks']}   (TF {info['tf_version']}, mpi4py {info['mpi4py_version']})")
+    if record:
+        log(f"  command        : {record.info['command']}")
+        log(f"  ranks          : {info['ranks']}   (TF {record.info['tensorflow']}, mpi4py {record.info['mpi4py']}; "
+            f"{record.info['cores']} cores, load average {record.info['load_avg'][0]:.2f})")
     log(f"  MPI            : {info['mpi_library'].splitlines()[0]}")
     log(f"  engine config  : {info['engine_config']}")
     log(f"  TF_MPI_* env   : {env or '(none set)'}")
     log("  TF threads     : intra-op 1, inter-op 2")
 
-    sizes = bench_sizes(args.repeats) if args.only != "storm" else None
-    storm = bench_storm(args.repeats) if args.only != "sizes" else None
-    checks = target_checks(sizes, storm) if sizes and storm else []
-    elapsed = time.perf_counter() - start
-    log(f"\nbenchmark time: {elapsed:.1f} s")
-
-    if args.json and comm.rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(dict(info=info, sizes=sizes, gradient_storm=storm, targets=checks,
-                           elapsed_s=elapsed), f, indent=2)
-        log(f"wrote {args.json}")
+    parts = {}
+    if args.only in (None, "sizes"):
+        parts["sizes"] = bench_sizes(args.repeats)
+    if args.only in (None, "storm"):
+        parts["gradient_storm"] = bench_storm(args.repeats)
+    if args.only is None:
+        parts["targets"] = target_checks(parts["sizes"], parts["gradient_storm"])
+    if args.only == "chain":
+        parts["chain"] = bench_chain(args.length, args.repeats or 20)
+    if args.only == "overlap":
+        parts["overlap"] = bench_overlap(args.seconds)
+    if record:
+        log(f"\nbenchmark time: {time.time() - record.began:.1f} s")
+        if args.json:
+            log(f"wrote {record.write(run=info, **parts)}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Per link rate, each round launches (through ``python -m tf_mpi.run --host ...``)
   5 timed calls each after a checked warm-up; a call's time is the slowest rank's.
 
 It prints medians and spreads (min-max over rounds) and the ratios against the targets, and
-writes everything to benchmarks/results/cluster_link_<rate>.json.
+writes everything to benchmarks/results/cluster_link_<rate>.json (``--out`` another folder).
+Launches, statistics and the record (with the machine): benchmarks/harness.py.
 
 Link model for the allreduce bound: S = 16 MiB per rank, B = the measured one-way TCP
 bandwidth. Flat over 4 ranks, 2 per host, a ring's two cross-host edges each carry
@@ -37,6 +38,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 PINGPONG = os.path.join(ROOT, "tests", "workers", "launch_worker.py")
 MiB = 1 << 20
 ALLREDUCE_BYTES = 16 * MiB
@@ -64,7 +67,7 @@ def worker_tcp_bandwidth():
         for _ in range(STREAM_BYTES // len(chunk)):
             conn.sendall(chunk)
         conn.recv(1)
-        print("BENCH " + json.dumps({"tcp_bytes_per_s": STREAM_BYTES / (time.perf_counter() - t)}), flush=True)
+        harness.emit({"tcp_bytes_per_s": STREAM_BYTES / (time.perf_counter() - t)})
     conn.close()
     comm.Barrier()
 
@@ -94,25 +97,22 @@ def worker_allreduce(round_index, calls=5):
         comm.Barrier()
         _core.shutdown()
     if comm.rank == 0:
-        print("BENCH " + json.dumps(times), flush=True)
+        harness.emit(times)
 
 
 # -- driver ---------------------------------------------------------------------
 def launch(cluster, slots, program, timeout=300):
-    """Runs program on 2 hosts x slots ranks through tf_mpi.run; the parsed BENCH/LAUNCH lines of rank 0."""
-    from mpi_harness import launch_env, run_bounded
-    cmd = cluster.command([sys.executable, "-m", "tf_mpi.run", "-np", str(2 * slots),
-                           "--host", cluster.host_list(slots), "--map-by", "node", "python"] + program)
-    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, cluster.env(launch_env()))
-    if rc != 0 or timed_out:
-        raise RuntimeError(f"launch failed (rc={rc}, timed_out={timed_out}):\n{output[-3000:]}")
+    """Runs program on 2 hosts x slots ranks through tf_mpi.run; the parsed RESULT/LAUNCH lines of rank 0."""
+    try:
+        records = harness.launch(2 * slots, program, timeout=timeout, cluster=cluster, expect=None,
+                                 mpirun_args=["--host", cluster.host_list(slots), "--map-by", "node"],
+                                 tags=(harness.RESULT_PREFIX, "LAUNCH "))
+    except harness.LaunchError as e:
+        raise RuntimeError(f"launch failed: {e}") from None
     found = {}
-    for line in output.splitlines():
-        for tag in ("BENCH ", "LAUNCH "):
-            if line.startswith(tag):
-                record = json.loads(line[len(tag):])
-                if record.get("rank", 0) == 0:
-                    found.update(record)
+    for record in records:
+        if record.get("rank", 0) == 0:
+            found.update(record)
     return found
 
 
@@ -131,8 +131,9 @@ def one_round(cluster, index):
 
 def summarize(rounds):
     keys = rounds[0].keys()
-    med = {k: statistics.median(r[k] for r in rounds) for k in keys}
-    spread = {k: [min(r[k] for r in rounds), max(r[k] for r in rounds)] for k in keys}
+    stats = {k: harness.summarize(r[k] for r in rounds) for k in keys}
+    med = {k: s["median"] for k, s in stats.items()}
+    spread = {k: [s["min"], s["max"]] for k, s in stats.items()}
     bw = med["tcp_bytes_per_s"]
     bounds = {"flat": 1.5 * ALLREDUCE_BYTES / bw, "hierarchical": 1.0 * ALLREDUCE_BYTES / bw}
     ratios = {
@@ -164,6 +165,7 @@ def main():
     from cluster import Cluster
     for rate in a.rates.split(","):
         limit = None if rate == "unlimited" else rate
+        record = harness.Record(f"cluster_link_{rate}", path=os.path.join(a.out, f"cluster_link_{rate}.json"))
         with Cluster(hosts=2, slots=2, rate=limit, prefix=a.prefix, net=a.net) as c:
             rounds = []
             for i in range(a.rounds):
@@ -179,12 +181,7 @@ def main():
         for mode in ("flat", "hierarchical"):
             print(f"   16 MiB allreduce 2x2 {mode}: {m['allreduce_s_' + mode]:.3f} s, link bound "
                   f"{s['link_bound_s'][mode]:.3f} s ({q['allreduce_over_bound_' + mode]:.2f}x, target 1.5x)")
-        record = {"command": " ".join(["python", "benchmarks/cluster_link_bench.py"] + sys.argv[1:]),
-                  "rate": rate, "host": socket.gethostname(), "cpus": os.cpu_count(),
-                  "load_avg_at_end": os.getloadavg(), "rounds": rounds, **s}
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"cluster_link_{rate}.json"), "w") as f:
-            json.dump(record, f, indent=1)
+        record.write(rate=rate, rounds=rounds, **s)
 
 
 if __name__ == "__main__":

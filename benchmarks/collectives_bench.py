@@ -2,7 +2,7 @@
 
 Run (from the repository root; rank 0 prints)::
 
-    python -m tf_mpi.run -np 2 python benchmarks/collectives_bench.py [--repeats 15]
+    python -m tf_mpi.run -np 2 python benchmarks/collectives_bench.py [--repeats 15] [--json out.json]
 
 For each size (float32 rows of 1 KiB; the size is what each rank contributes)
 every round times, interleaved: ``hvd.broadcast`` (root 0) and
@@ -16,9 +16,11 @@ ratios ours / raw, and raw against the memory bound: one copy for a
 broadcast, `size` copies for an allgather (each rank writes `size` blocks, at
 least one copy each). A raw MPI time near its bound leaves nothing for a
 broadcast or allgather through shared memory to gain on this machine.
+Rounds, samples and the JSON record: benchmarks/harness.py.
 """
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -30,25 +32,26 @@ from mpi4py import MPI  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
 ROW = 256  # float32 per row: 1 KiB
 comm = MPI.COMM_WORLD
 
 
-def calls_per_sample(fn):
-    fn()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    est = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    return max(1, min(200, int(0.02 / max(est, 1e-9))))
+def slowest_rank(seconds):
+    return comm.allreduce(seconds, op=MPI.MAX)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", default=None, help="write the medians and spreads to this file (rank 0)")
     args = parser.parse_args()
+    record = harness.Record("collectives_bench", path=args.json) if comm.rank == 0 else None
+    table = []
     hvd.init()
     size, rank = comm.size, comm.rank
     if rank == 0:
@@ -82,29 +85,23 @@ def main():
             if rank == 0:
                 print("BENCHMARK ABORTED: wrong broadcast or allgather result")
             raise SystemExit(2)
-        k = {name: calls_per_sample(fn) for name, fn in fns.items()}
-        samples = {name: [] for name in fns}
-        for _ in range(args.repeats):
-            for name, fn in fns.items():
-                comm.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(k[name]):
-                    fn()
-                samples[name].append((time.perf_counter() - t0) / k[name])
-        stats = {}
-        for name, s in samples.items():
-            slowest = np.empty(len(s))
-            comm.Allreduce(np.asarray(s), slowest, op=MPI.MAX)
-            stats[name] = (np.median(slowest), slowest.min(), slowest.max())
+        k = {name: harness.calls_per_sample(fn, comm, trials=1) for name, fn in fns.items()}
+        samples = harness.interleave(
+            {name: (lambda name=name: harness.timed_sample(fns[name], k[name], comm.Barrier, slowest_rank))
+             for name in fns}, args.repeats)
+        stats = {name: harness.summarize(s) for name, s in samples.items()}
+        table.append(dict(bytes_per_rank=nbytes, calls_per_sample=k, seconds=stats))
         if rank == 0:
             def cell(name):
-                med, lo, hi = (x * 1e3 for x in stats[name])
+                med, lo, hi = (stats[name][key] * 1e3 for key in ("median", "min", "max"))
                 return f"{med:.3f} [{lo:.3f}-{hi:.3f}] ms"
-            m = {name: v[0] for name, v in stats.items()}
+            m = {name: v["median"] for name, v in stats.items()}
             print(f"{nbytes // KiB:>7} KiB | {cell('bcast'):>22} {cell('raw_bcast'):>22} | {cell('allgather'):>22} "
                   f"{cell('raw_allgather'):>22} | {m['copy'] * 1e3:6.3f} ms | {m['bcast'] / m['raw_bcast']:9.2f} "
                   f"{m['allgather'] / m['raw_allgather']:6.2f} | {m['raw_bcast'] / m['copy']:15.2f} "
                   f"{m['raw_allgather'] / (size * m['copy']):12.2f}")
+    if record and args.json:
+        print(f"wrote {record.write(ranks=size, repeats=args.repeats, rows=table)}")
 
 
 if __name__ == "__main__":

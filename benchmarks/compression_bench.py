@@ -1,9 +1,10 @@
 """Bytes per step and step time of gradient compression: none / fp16 / topk / gtopk.
 
 Run under mpirun; every mode trains the same model with DistributedGradientTape
-and Adam on synthetic data, in interleaved rounds (mode A, B, C, D, A, B, ...)
-so that a busy machine slows all modes alike. Per mode it prints the payload
-bytes each rank handed to MPI per step (the engine's byte counters), the
+and Adam on synthetic data, in interleaved rounds (mode A, B, C, D, then B, C, D,
+A, ...: benchmarks/harness.py's rotation) so that a busy machine slows all modes
+alike. Per mode it prints the payload bytes each rank handed to MPI per step (the
+engine's byte counters), the
 median step time with its spread over rounds, and the time the top-k work
 itself costs on this machine (selection, packing, summing, residual update,
 with the exchange left out), measured in the same process.
@@ -17,11 +18,12 @@ bandwidth = (W_dense - W_sparse) / (C + alpha * extra_messages).
 
 Example::
 
-    mpirun -np 2 python benchmarks/compression_bench.py --model mlp --rounds 5 \\
+    python -m tf_mpi.run -np 2 python benchmarks/compression_bench.py --model mlp --rounds 5 \\
         --json benchmarks/results/compression_bench_mlp_np2.json
+
+The JSON (benchmarks/harness.py's record) also holds the machine the run was made on.
 """
 import argparse
-import json
 import math
 import os
 import statistics
@@ -34,6 +36,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 
+import harness  # noqa: E402
 from bench_models import MODELS  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
@@ -142,6 +145,7 @@ def gtopk_messages(n_ranks):
 
 def main():
     args = parse()
+    record = harness.Record("compression_bench", path=args.json)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     spec = MODELS[args.model]
@@ -163,8 +167,8 @@ def main():
 
     times = {m: [] for m in MODES}
     payload = {m: [] for m in MODES}
-    for _ in range(args.rounds):
-        for mode in MODES:
+    for r in range(args.rounds):
+        for mode in harness.rotation(MODES, r):
             hvd.allreduce(tf.zeros([1]), name="bench.barrier")  # start together
             before = _core.stats()["payload_bytes_sent"]
             t = time.perf_counter()
@@ -218,8 +222,7 @@ def main():
               f"pays below {bw * 8 / 1e9:.2f} Gbit/s (alpha {args.alpha_us:g} us, "
               f"{extra_messages[mode]} extra messages)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        record.write(**result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ engine's links (``tf_mpi._core.hierarchical()``: TF_MPI_INTRA_NODE_LINK /
 TF_MPI_INTER_NODE_LINK, else the start-up probe's or the defaults; the median
 over the auto rounds, each of which probed anew across hosts), and auto's
 median over the better of flat and hierarchical (target: at most 1.1).
-``--json PATH`` writes all samples.
+``--json PATH`` writes all samples (with the machine, through benchmarks/harness.py, whose
+rotation of rounds and timed samples this script uses).
 
 What it cannot show with TF_MPI_TOPOLOGY: pretend nodes on one machine talk through shared memory,
 like ranks of one node, so the "inter-node" stage costs what the intra-node one
@@ -32,16 +33,19 @@ one) where the network is as fast as memory, not what it gains across a real
 network. Results are checked before timing.
 """
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
 
 from tf_mpi import basics, predict
 from tf_mpi.basics import _core
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -68,11 +72,8 @@ def slowest(seconds):
 
 
 def sample(x, k):
-    allreduce(np.zeros(1, np.float32))  # start together
-    t0 = time.perf_counter()
-    for _ in range(k):
-        allreduce(x)
-    return slowest((time.perf_counter() - t0) / k)
+    """Seconds per call of k allreduces of x after an engine barrier (a small allreduce), the slowest rank's."""
+    return harness.timed_sample(lambda: allreduce(x), k, lambda: allreduce(np.zeros(1, np.float32)), slowest)
 
 
 def model_row(b, nodes, per_node, links):
@@ -92,6 +93,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="rank 0 writes the samples and summary here")
     args = parser.parse_args()
+    record = harness.Record("hierarchical_bench", path=args.json)
     init("1")
     rank, size = _core.rank(), _core.size()
     nodes, per_node = _core.cross_size(), _core.local_size()
@@ -109,7 +111,7 @@ def main():
     times = {(m, b): [] for m in MODES for b in SIZES}
     autos = []  # hierarchical() of each auto round: across hosts, each init measured the link anew
     for r in range(args.rounds):
-        for mode in MODES[r % 3:] + MODES[:r % 3]:
+        for mode in harness.rotation(MODES, r):
             init(mode)
             if mode == "auto":
                 autos.append(_core.hierarchical())
@@ -150,10 +152,8 @@ def main():
                   f"{model['hierarchical_s'] / model['flat_s']:>6.2f} {med[('auto', b)] * 1e3:>9.3f} "
                   f"{auto_over_best:>9.2f}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"nodes": nodes, "ranks_per_node": per_node, "rounds": args.rounds, "auto": auto,
-                           "auto_rounds": autos,
-                           "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+            record.write(nodes=nodes, ranks_per_node=per_node, rounds=args.rounds, auto=auto, auto_rounds=autos,
+                         cpus=os.cpu_count(), rows=rows)
     _core.shutdown()
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ the two (target: at most 1.1). No TF_MPI_TOPOLOGY: the nodes are the pretend hos
 model's inter-node link is the engine's start-up probe unless TF_MPI_INTER_NODE_LINK is set.
 Writes benchmarks/results/hierarchical_cluster_<rate>_<layout>.json; ``--table`` prints those
 files as the Markdown table of docs/scaling.md (tf_mpi.predict against the measured medians).
+Launches and the record (with the machine): benchmarks/harness.py.
 """
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -23,26 +23,23 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 BENCH = os.path.join(HERE, "hierarchical_bench.py")
 
 
 def run_layout(cluster, hosts, slots, rounds, timeout):
-    from mpi_harness import launch_env, run_bounded
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     hostlist = ",".join(f"{h}:{slots}" for h in cluster.hosts[:hosts])
-    cmd = cluster.command([sys.executable, "-m", "tf_mpi.run", "-np", str(hosts * slots), "--host", hostlist,
-                           "python", BENCH, "--rounds", str(rounds), "--json", out])
-    env = cluster.env(launch_env({"TF_CPP_MIN_LOG_LEVEL": "3"}))
-    env.pop("TF_MPI_TOPOLOGY", None)
-    rc, output, elapsed, timed_out = run_bounded(cmd, timeout, env)
-    print(output, flush=True)
-    if rc != 0 or timed_out:
-        raise RuntimeError(f"launch failed (rc={rc}, timed_out={timed_out})")
+    began = time.time()
+    harness.launch(hosts * slots, [BENCH, "--rounds", str(rounds), "--json", out], mpirun_args=["--host", hostlist],
+                   env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_MPI_TOPOLOGY": None}, timeout=timeout, cluster=cluster,
+                   expect=None, echo=True)
     with open(out) as f:
         record = json.load(f)
     os.unlink(out)
-    record["output"] = output
-    record["elapsed_s"] = elapsed
+    record.pop("elapsed_s", None)  # the ranks' own; the launch's, start to end:
+    record["launch_s"] = time.time() - began
     return record
 
 
@@ -92,14 +89,12 @@ def main():
                      prefix=a.prefix, net=a.net) as c:
             for hosts, slots in layouts:
                 print(f"== link {rate}, {hosts} hosts x {slots} ranks", flush=True)
-                record = run_layout(c, hosts, slots, a.rounds, a.timeout)
-                record.update({"command": " ".join(["python", "benchmarks/hierarchical_cluster_bench.py"] + sys.argv[1:]),
-                               "rate": rate, "machine": socket.gethostname(), "date": time.strftime("%Y-%m-%d"),
-                               "load_avg_at_end": os.getloadavg()})
-                os.makedirs(a.out, exist_ok=True)
-                with open(os.path.join(a.out, f"hierarchical_cluster_{rate}_{hosts}x{slots}.json"), "w") as f:
-                    json.dump(record, f, indent=1)
-
+                record = harness.Record(f"hierarchical_cluster_{rate}_{hosts}x{slots}",
+                                        path=os.path.join(a.out, f"hierarchical_cluster_{rate}_{hosts}x{slots}.json"))
+                measured = run_layout(c, hosts, slots, a.rounds, a.timeout)
+                measured.pop("benchmark", None)
+                measured.pop("info", None)  # the ranks' view; the record's is the driver's
+                record.write(rate=rate, **measured)
 
 if __name__ == "__main__":
     main()

@@ -11,29 +11,27 @@ writes a plot.
 
     python benchmarks/negotiation_bench.py            # np = 2..16
     python benchmarks/negotiation_bench.py --sizes 2 4 8 --plot out.png
+
+Each launch goes through benchmarks/harness.py (``python -m tf_mpi.run``); the JSON carries the
+machine it ran on.
 """
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 STEPS, WARMUP = 20, 3
 KEYS = ["negotiation_msgs_sent", "negotiation_msgs_received", "negotiation_bytes_sent", "negotiation_bytes_received"]
 
 
 def worker(out_dir):
     """On every rank: the loop with the tree, then with the star; per-step counts to out_dir."""
-    import types
     import numpy as np
-    # The pybind module alone: no TensorFlow import, so np=16 starts in seconds.
-    pkg = types.ModuleType("tf_mpi")
-    pkg.__path__ = [os.path.join(ROOT, "tf_mpi")]
-    sys.modules.setdefault("tf_mpi", pkg)
-    from tf_mpi import _core
+    from tf_mpi import _core  # the pybind module alone: no TensorFlow import, so np=16 starts in seconds
     result = {}
     for mode in ("tree", "star"):
         os.environ["TF_MPI_NEGOTIATION"] = mode
@@ -60,13 +58,8 @@ def worker(out_dir):
 
 
 def measure(n):
-    sys.path.insert(0, os.path.join(ROOT, "tf_mpi"))
-    from run import mpirun_command, mpirun_env
     out = tempfile.mkdtemp(prefix=f"negotiation_bench_{n}_")
-    cmd = mpirun_command(n, [sys.executable, os.path.abspath(__file__), "--worker", out])
-    env = mpirun_env()
-    env.setdefault("PYTHONPATH", ROOT)
-    subprocess.run(cmd, env=env, check=True, timeout=600)
+    harness.launch(n, [os.path.abspath(__file__), "--worker", out], expect=None)
     ranks = {}
     for name in os.listdir(out):
         with open(os.path.join(out, name)) as f:
@@ -124,6 +117,7 @@ def main():
     if args.worker:
         worker(args.worker)
         return
+    record = harness.Record("negotiation_bench", path=args.json)
     rows = []
     for n in args.sizes:
         rows.append(measure(n))
@@ -134,8 +128,7 @@ def main():
         f.write(f"# python benchmarks/negotiation_bench.py --sizes {' '.join(map(str, args.sizes))}\n"
                 f"# per steady-state step ({STEPS} steps of one grouped allreduce, after {WARMUP} warm-up steps);"
                 " messages and bytes sent + received by the negotiation\n" + text + "\n")
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    record.write(steps=STEPS, warmup=WARMUP, rows=rows)
     plot(rows, args.plot)
 
 

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -40,9 +39,10 @@ for path in (REPO_ROOT, HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import harness  # noqa: E402
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
-RESULT_PREFIX = "RESULT "
 LAUNCH_TIMEOUT_S = 900
 
 
@@ -79,32 +79,31 @@ def worker(args):
     result["storm"] = bench.time_interleaved({"storm": (storm, size)}, max(5, args.repeats // 2), k,
                                              "gradient storm")["storm"]
     if hvd.rank() == 0:
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        harness.emit(result)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def run_launch(argv, label):
-    """Runs one launch (its own processes); returns the JSON of its RESULT line."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tf_mpi import run
+def run_launch(np_, program, label):
+    """Runs one launch (its own processes): on np_ ranks through harness.launch, or one plain
+    process when np_ is None; returns the JSON of its one RESULT line."""
     began = time.time()
-    done = subprocess.run(argv, env=run.mpirun_env(env), cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or len(lines) != 1:
-        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
-        raise SystemExit(f"{label}: launch failed (exit {done.returncode}, {len(lines)} RESULT lines)")
+    if np_ is not None:
+        try:
+            result = harness.launch(np_, program, timeout=LAUNCH_TIMEOUT_S)[0]
+        except harness.LaunchError as e:
+            raise SystemExit(f"{label}: {e}")
+    else:
+        rc, output, _, timed_out = harness.run_bounded([sys.executable] + program, LAUNCH_TIMEOUT_S,
+                                                       harness.launch_env())
+        lines = [line for line in output.splitlines() if line.startswith(harness.RESULT_PREFIX)]
+        if rc != 0 or timed_out or len(lines) != 1:
+            sys.stderr.write(output[-3000:])
+            raise SystemExit(f"{label}: launch failed (exit {rc}, {len(lines)} RESULT lines)")
+        result = json.loads(lines[0][len(harness.RESULT_PREFIX):])
     print(f"  {label}: {time.time() - began:.0f} s", flush=True)
-    return json.loads(lines[0][len(RESULT_PREFIX):])
-
-
-def mpirun(np_, program):
-    from tf_mpi import run
-    return run.mpirun_command(np_, [sys.executable] + program)
+    return result
 
 
 def lstm_args(mode, args):
@@ -198,19 +197,19 @@ def main():
     if min(args.nps) < 2:
         parser.error("--nps: the probe needs 2 or more ranks")
 
+    record = harness.Record("scaling_check", path=args.json)
     began = time.time()
     print(f"tf_mpi.predict against measurements: {platform.node()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}", flush=True)
     rounds = []
     for r in range(args.rounds):
-        order = args.nps[r % len(args.nps):] + args.nps[:r % len(args.nps)]  # each round starts elsewhere
-        measured = {p: run_launch(mpirun(p, [os.path.abspath(__file__), "--worker", "--repeats", str(args.repeats)]),
+        order = harness.rotation(args.nps, r)  # each round starts elsewhere
+        measured = {p: run_launch(p, [os.path.abspath(__file__), "--worker", "--repeats", str(args.repeats)],
                                   f"round {r + 1}: np={p} probe + allreduces + storm") for p in order}
-        lstm = {"single": run_launch([sys.executable] + lstm_args("single", args),
-                                     f"round {r + 1}: LSTM single process")}
+        lstm = {"single": run_launch(None, lstm_args("single", args), f"round {r + 1}: LSTM single process")}
         for p in order:
-            lstm[p] = run_launch(mpirun(p, lstm_args("tfmpi", args)), f"round {r + 1}: LSTM tfmpi np={p}")
+            lstm[p] = run_launch(p, lstm_args("tfmpi", args), f"round {r + 1}: LSTM tfmpi np={p}")
         rounds.append(dict(measured=measured, lstm=lstm))
     measured, lstm = combine_rounds(rounds, args.nps)
     load_end = os.getloadavg()[0]
@@ -238,12 +237,11 @@ def main():
     print(f"\nload average {load_end:.2f} at the end; {time.time() - began:.0f} s in all. The machine may be "
           "shared with other work: figures move with it.")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rounds=[dict(measured={str(k): v for k, v in r["measured"].items()},
-                                        lstm={str(k): v for k, v in r["lstm"].items()}) for r in rounds],
-                           link=str(link),
-                           rows=[dict(case=c, np=p, predicted_free_s=fr, predicted_shared_s=sh, measured=st)
-                                 for c, p, fr, sh, st, _ in rows]), f, indent=2)
+        record.write(rounds=[dict(measured={str(k): v for k, v in r["measured"].items()},
+                                  lstm={str(k): v for k, v in r["lstm"].items()}) for r in rounds],
+                     link=str(link),
+                     rows=[dict(case=c, np=p, predicted_free_s=fr, predicted_shared_s=sh, measured=st)
+                           for c, p, fr, sh, st, _ in rows])
         print(f"wrote {args.json}")
     return 0
 

@@ -1,6 +1,6 @@
 """Prints docs/scaling.md's table of predictions for a GPU cluster (Markdown), from tf_mpi.predict.
 
-    python benchmarks/scaling_predictions.py [--nics-per-node 1] [--chunk-bytes 1048576]
+    python benchmarks/scaling_predictions.py [--nics-per-node 1] [--chunk-bytes 1048576] [--json out.json]
 
 The assumptions (stated in docs/scaling.md next to the table):
 
@@ -15,7 +15,8 @@ The assumptions (stated in docs/scaling.md next to the table):
 
 Each row is also one command line, e.g.
 ``python -m tf_mpi.predict benchmarks/data/resnet50_grad_shapes.json --step-ms 100 --backprop-ms 66.7
---intra nvlink --inter ib100 --nodes 2 64``.
+--intra nvlink --inter ib100 --nodes 2 64``. Nothing is measured; ``--json`` writes the rows
+with the assumptions (benchmarks/harness.py's record).
 """
 import argparse
 import os
@@ -23,7 +24,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
+import harness  # noqa: E402
 from tf_mpi import predict  # noqa: E402
 
 MODELS = [("ResNet-50", os.path.join(HERE, "data", "resnet50_grad_shapes.json"), 0.100),
@@ -38,7 +41,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nics-per-node", type=int, default=1)
     parser.add_argument("--chunk-bytes", type=int, default=predict.DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
+    record = harness.Record("scaling_predictions", path=args.json)
+    rows = []
     print("| model | network | nodes x GPUs | allreduce | groups | communication ms | exposed ms "
           "| efficiency | efficiency, no overlap |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -52,9 +58,16 @@ def main():
                 for hierarchical in (False, True):
                     p = predict.predict_step(overlapped, cluster, hierarchical)
                     q = predict.predict_step(serial, cluster, hierarchical)
+                    rows.append(dict(model=label, step_ms=step_s * 1e3, network=network, nodes=nodes,
+                                     ranks_per_node=RANKS_PER_NODE, hierarchical=hierarchical, groups=p.groups,
+                                     comm_ms=p.comm_s * 1e3, exposed_ms=p.exposed_s * 1e3,
+                                     efficiency=p.efficiency, efficiency_no_overlap=q.efficiency))
                     print(f"| {label} ({step_s * 1e3:.0f} ms step) | {network} | {nodes} x {RANKS_PER_NODE} "
                           f"| {'hierarchical' if hierarchical else 'flat'} | {p.groups} | {p.comm_s * 1e3:.1f} "
                           f"| {p.exposed_s * 1e3:.1f} | {p.efficiency:.2f} | {q.efficiency:.2f} |")
+    if args.json:
+        record.write(nics_per_node=args.nics_per_node, chunk_bytes=args.chunk_bytes,
+                     backprop_share=BACKPROP_SHARE, rows=rows)
 
 
 if __name__ == "__main__":

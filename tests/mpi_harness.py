@@ -37,13 +37,34 @@ WORKERS = os.path.join(HERE, "workers")
 
 
 class MpiRun:
-    def __init__(self, returncode, output, results, elapsed, timed_out):
+    def __init__(self, returncode, output, results, elapsed, timed_out, out_dir=None):
         self.returncode, self.output, self.results = returncode, output, results
-        self.elapsed, self.timed_out = elapsed, timed_out
+        self.elapsed, self.timed_out, self.out_dir = elapsed, timed_out, out_dir
+
+    def section(self, name):
+        """The part of a sections launch (sections_launch) that ran section `name`: that section's
+        check results, and the output from rank 0's marker for it to the next marker (rank 0's own
+        lines in order; the other ranks' lines of a section are out before the next marker, the
+        ranks meet in between). Exit code, time-out and elapsed time are the whole launch's."""
+        results = read_results(os.path.join(self.out_dir, name)) if os.path.isdir(os.path.join(self.out_dir, name)) \
+            else {}
+        lines, inside = [], False
+        for line in self.output.splitlines(keepends=True):
+            if line.startswith(SECTION_MARKER):
+                inside = line[len(SECTION_MARKER):].strip() == name
+            elif inside:
+                lines.append(line)
+        run = MpiRun(self.returncode, "".join(lines), results, self.elapsed, self.timed_out)
+        run.section_name = name
+        return run
 
     def assert_clean_exit(self):
-        """The launch ended on its own (no time-out) with exit code 0 on every rank."""
+        """The launch ended on its own (no time-out) with exit code 0 on every rank (a section of a
+        sections launch: the launch did, and this section neither raised nor exited non-zero)."""
         assert not self.timed_out and self.returncode == 0, self.describe()
+        name = getattr(self, "section_name", None)
+        if name is not None:
+            assert not re.search(rf"section {re.escape(name)} (raised|exited with)", self.output), self.describe()
 
     def describe(self):
         tail = self.output[-6000:]
@@ -113,11 +134,39 @@ def run_mpi(np, worker, timeout, env=None, args=()):
     cmd = mpirun_command(np, [sys.executable, os.path.join(WORKERS, worker), *args])
     rc, output, elapsed, timed_out = run_bounded(cmd, timeout, launch_env({"TF_MPI_TEST_OUT": out_dir, **(env or {})}))
     results = read_results(out_dir)
-    if os.environ.get("TF_MPI_TEST_LAUNCH_LOG") and 0 in results:
+    if os.environ.get("TF_MPI_TEST_LAUNCH_LOG"):
+        checks = dict(results.get(0, {}))
+        for name in sorted(os.listdir(out_dir)):  # a sections launch: each section's checks as section/check
+            if os.path.isdir(os.path.join(out_dir, name)):
+                checks.update({f"{name}/{k}": v for k, v in read_results(os.path.join(out_dir, name)).get(0, {}).items()})
         with open(os.environ["TF_MPI_TEST_LAUNCH_LOG"], "a") as f:  # where a launch's time went, per check
-            f.write(json.dumps({"worker": worker, "np": np, "args": list(args), "elapsed": round(elapsed, 2),
-                                "checks": {k: v.get("seconds") for k, v in results[0].items()}}) + "\n")
-    return MpiRun(rc, output, results, elapsed, timed_out)
+            f.write(json.dumps({"worker": worker, "np": np, "args": [str(a)[:200] for a in args], "elapsed": round(elapsed, 2),
+                                "checks": {k: v.get("seconds") for k, v in checks.items()}}) + "\n")
+    return MpiRun(rc, output, results, elapsed, timed_out, out_dir)
+
+
+# ----------------------------------------------------------------------------- several workers in one launch
+#
+# Each launch pays TensorFlow's import on every rank (~4-5 s of CPU per rank) and mpirun's start
+# and exit; workers that need the same world size and settings can share one launch instead:
+# tests/workers/_sections.py runs them one after the other, each as if launched alone (its own
+# environment, argv and results folder), with the engine shut down and every rank met in between.
+
+SECTIONS_WORKER = "_sections.py"
+SECTION_MARKER = "TF_MPI_TEST_SECTION "
+
+
+def section(name, worker, args=(), env=None):
+    """One section of a sections launch: `worker` run with `args` and `env` (None unsets a
+    variable) on top of the launch's environment; its results are run.section(name)."""
+    return {"name": name, "worker": worker, "args": list(args), "env": dict(env or {})}
+
+
+def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=False, start=False):
+    """shared_launch of tests/workers/_sections.py running `sections` (a list of section(...)) on np
+    ranks; the whole launch, whose run.section(name) is each section's run."""
+    return shared_launch(np, SECTIONS_WORKER, timeout=timeout, env=env, args=[json.dumps(sections)], heavy=heavy,
+                         alone=alone, start=start)
 
 
 class ExampleRun:

@@ -49,6 +49,9 @@ def init(comm=None, process_sets=None):
         hvd.init()
         print(f"rank {hvd.rank()} of {hvd.size()}")
     """
+    from tf_mpi import membership
+    if comm is None and membership.enabled():
+        comm = membership.start()  # elastic mode: a communicator whose ranks may change
     if comm is None:
         _core.init()
     elif isinstance(comm, (list, tuple)):
@@ -57,6 +60,8 @@ def init(comm=None, process_sets=None):
         _core.init(fortran_comm=comm.py2f())
     else:
         raise TypeError(f"init(comm=...) takes None, an mpi4py communicator or a list of ranks, not {type(comm)}")
+    if membership.enabled() and comm is not None and comm is membership.comm():
+        membership.after_start()
     _install_excepthook()
     from tf_mpi import process_sets as _process_sets
     _process_sets.init_process_sets(process_sets, comm)

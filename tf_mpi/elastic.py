@@ -1,20 +1,31 @@
-"""Elastic training state (Horovod's ``hvd.elastic``) on a fixed set of ranks.
+"""Elastic training (Horovod's ``hvd.elastic``): keep training when ranks are lost or added.
 
-What is here is the state-keeping half of Horovod elastic: a state object
-that can ``commit()`` (remember the current model, optimizer and attributes in
-host memory), ``restore()`` (go back to the last commit) and ``sync()``
-(make every rank equal to rank 0), and ``hvd.elastic.run``, which syncs the
-state before calling the training function and syncs and retries when the
-function raises ``HostsUpdatedInterrupt``.
+A state object remembers the training state in host memory at each ``commit()``;
+``hvd.elastic.run`` calls the training function and, when the set of ranks changes, brings every
+rank back to a common state and calls it again:
 
-Not here: changes of rank membership. tf_mpi runs on the ranks ``mpirun``
-started; it does not add workers, and a rank that dies ends the job (MPI
-aborts it). When a collective inside ``run`` fails because a rank left or
-stalled, ``run`` restores the last committed state and raises
-``HorovodInternalError`` saying so, instead of waiting for new ranks as
-Horovod's elastic driver would. ``commit()`` therefore never raises
-``HostsUpdatedInterrupt`` by itself and, unlike Horovod's, is not a
-collective (ranks may commit at different points).
+- **A rank or host is lost** (it died, or stopped responding: Open MPI's heartbeat detector
+  declares it dead). Every survivor's pending and next collective fails
+  (``HorovodInternalError`` inside ``run``); ``run`` restores the last commit, the engine
+  restarts on the ranks that remain (``tf_mpi.membership.shrink``: rank order is kept, the lowest
+  survivor becomes rank 0), the reset callbacks run, ``sync()`` gives every rank rank 0's state,
+  and the function is called again. The steps since the last commit are lost and redone. Fewer
+  ranks than ``--min-np`` end the job (``tf_mpi.membership.MembershipError``).
+- **Capacity is added** (the launcher's ``--host-discovery-script`` lists free slots, up to
+  ``--max-np``). At the next ``commit()`` every rank raises ``HostsUpdatedInterrupt`` (no
+  rollback: the state was just committed); ``run`` spawns the new ranks, restarts the engine with
+  them, runs the reset callbacks, syncs and calls the function again. The new processes run the
+  same program; their ``run`` starts with the same ``sync()``.
+
+This needs elastic mode (``python -m tf_mpi.run --min-np ... --max-np ...``, which starts Open
+MPI with ULFM; docs/elastic.md). Without it the ranks are fixed: a failure inside ``run``
+restores the last commit and raises ``HorovodInternalError``, and ``commit()`` never interrupts.
+
+Horovod's semantics: ``commit()`` is a collective in elastic mode (rank 0 tells every rank
+whether hosts were added), so all ranks commit at the same points; reset callbacks run after
+every restart (e.g. to scale the learning rate to the new ``size()``). Keras models retrace their
+training step after a restart (``TensorFlowKerasState.reset``); a ``tf.function`` of your own
+that uses ``size()`` in Python should be created inside the elastic function.
 
 Example::
 
@@ -23,6 +34,7 @@ Example::
 
     hvd.init()
     state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
+    state.register_reset_callbacks([lambda: optimizer.learning_rate.assign(0.01 * hvd.size())])
 
     @hvd.elastic.run
     def train(state):
@@ -34,13 +46,15 @@ Example::
 """
 import tensorflow as tf
 
-from tf_mpi import basics
+from tf_mpi import basics, membership
 from tf_mpi._compat import warn_unused_argument
 from tf_mpi.functions import broadcast_object, broadcast_variables
 
 
 class HorovodInternalError(RuntimeError):
-    """A collective failed inside ``run`` (Horovod's exception of the same name).
+    """A collective failed because a rank was lost (Horovod's exception of the same name).
+
+    Inside ``run`` in elastic mode the job recovers from it; elsewhere it is raised.
 
     Example::
 
@@ -95,18 +109,29 @@ class State:
             callback()
 
     def on_hosts_updated(self, timestamp, update_res):
-        """Horovod's driver notification; tf_mpi's set of ranks never changes, so this does nothing."""
+        """Horovod's driver notification; tf_mpi's rank 0 finds new hosts itself, so this does nothing."""
 
     def commit(self):
-        """Saves the current state to host memory (``restore()`` goes back to it).
+        """Saves the current state to host memory (``restore()`` goes back to it), then ``check_host_updates()``.
 
-        Local to this rank: on a fixed set of ranks there are no host updates to check.
+        In elastic mode a collective: every rank must commit at the same points.
         """
         self.save()
         self.check_host_updates()
 
     def check_host_updates(self):
-        """Horovod raises ``HostsUpdatedInterrupt`` here when workers came or went; tf_mpi's never do."""
+        """Raises ``HostsUpdatedInterrupt`` on every rank when rank 0's discovery found ranks to add.
+
+        In elastic mode a collective (rank 0's finding is broadcast); otherwise it does nothing.
+        """
+        global _pending_hosts
+        if not membership.enabled():
+            return
+        found = membership.pending_hosts() if basics.rank() == 0 else None
+        found = broadcast_object(found, root_rank=0, name="tfmpi.elastic.host_updates")
+        if found:
+            _pending_hosts = list(found)
+            raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self):
         """Saves the state to host memory."""
@@ -223,6 +248,13 @@ class TensorFlowKerasState(_VariablesState):
     def _save_model(self):
         self._saved_variables = [(v, tf.identity(v).numpy()) for v in self._variables()]
 
+    def reset(self):
+        """After the ranks changed: the model retraces its training step at the next ``fit``
+        (what it computed from ``size()`` while tracing must follow the new size)."""
+        for attr in ("train_function", "test_function", "predict_function"):
+            if getattr(self.model, attr, None) is not None:
+                setattr(self.model, attr, None)
+
     def _load_model(self):
         for v, value in self._saved_variables:
             v.assign(value)
@@ -280,20 +312,67 @@ class TensorFlowState(_VariablesState):
                 v.assign(value)
 
 
-_MEMBERSHIP = ("tf_mpi.elastic keeps training state on a fixed set of ranks and cannot continue with "
-               "different ones (rank membership changes are not supported): {}. The state was restored to its "
-               "last commit on this rank; restart the job, e.g. from a checkpoint.")
+_FIXED_RANKS = ("a rank was lost or left: {}. Outside elastic mode tf_mpi runs on a fixed set of ranks (rank "
+                "membership changes are not supported there): the state was restored to its last commit on this "
+                "rank; restart the job (e.g. from a checkpoint), or launch it with `python -m tf_mpi.run --min-np N "
+                "...` to go on with the ranks that remain (docs/elastic.md)")
+
+_pending_hosts = []  # hosts to spawn ranks on at the next reset (check_host_updates, on every rank)
+
+
+# The engine's words for a lost rank (transports/peer_failure.cc), whatever wraps them.
+_LOST_RANK_TEXT = "a rank of this job failed or stopped responding"
+
+
+def _is_lost_rank(error):
+    """Whether `error` means a rank was lost: TensorFlow ops' UnavailableError, the binding's
+    PeerLostError, or either wrapped by autograph while a function was being traced."""
+    seen = 0
+    while error is not None and seen < 10:
+        if isinstance(error, (tf.errors.UnavailableError, basics._core.PeerLostError, HorovodInternalError)):
+            return True
+        if _LOST_RANK_TEXT in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def _restart_after_loss():
+    """Stops the engine and starts it again on the ranks that remain (retried if another rank is lost meanwhile)."""
+    for _ in range(_RESTART_ATTEMPTS):
+        basics.shutdown()
+        comm = membership.shrink()  # raises MembershipError below --min-np
+        try:
+            basics.init(comm=comm)
+            return
+        except basics._core.PeerLostError:
+            continue
+    raise HorovodInternalError(f"tf_mpi: ranks kept failing while restarting ({_RESTART_ATTEMPTS} attempts)")
+
+
+def _restart_with_new_hosts():
+    """Stops the engine, spawns ranks on the hosts rank 0 found, and starts it again with them."""
+    global _pending_hosts
+    hosts, _pending_hosts = _pending_hosts, []
+    if not hosts:
+        return
+    basics.shutdown()
+    basics.init(comm=membership.grow(hosts))
+
+
+_RESTART_ATTEMPTS = 10
 
 
 def run(func):
     """Decorator for the elastic training function ``func(state, *args, **kwargs)``.
 
-    Syncs ``state`` from rank 0, then calls ``func``. If ``func`` raises
-    ``HostsUpdatedInterrupt``, every rank calls the state's reset callbacks,
-    syncs again (unless ``skip_sync``) and calls ``func`` again. If a
-    collective fails because a rank left or stalled, the state is restored to
-    its last commit and ``HorovodInternalError`` is raised: tf_mpi does not
-    change the set of ranks (see the module docstring).
+    Syncs ``state`` from rank 0, then calls ``func``. In elastic mode, when a rank is lost
+    (``HorovodInternalError``) it restores the last commit, restarts on the ranks that remain,
+    runs the reset callbacks, syncs and calls ``func`` again; when ``commit()`` raises
+    ``HostsUpdatedInterrupt`` it adds the new ranks, runs the reset callbacks, syncs (unless
+    ``skip_sync``) and calls ``func`` again. Outside elastic mode a lost rank restores the last
+    commit and raises ``HorovodInternalError``. Returns ``func``'s result.
 
     Example::
 
@@ -309,15 +388,26 @@ def run(func):
     def wrapper(state, *args, **kwargs):
         skip_sync = False
         while True:
-            if not skip_sync:
-                state.sync()
             try:
+                if not skip_sync:
+                    state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
                 skip_sync = e.skip_sync
-            except tf.errors.AbortedError as e:
+                _restart_with_new_hosts()
+            except Exception as e:  # noqa: BLE001 - anything else is raised again below
+                if not _is_lost_rank(e):
+                    if isinstance(e, tf.errors.AbortedError):
+                        # Outside elastic mode a rank that left or stalled (shutdown, stall limit) aborts collectives.
+                        state.restore()
+                        raise HorovodInternalError(_FIXED_RANKS.format(getattr(e, "message", str(e)))) from e
+                    raise
                 state.restore()
-                raise HorovodInternalError(_MEMBERSHIP.format(getattr(e, "message", str(e)))) from e
+                if not membership.enabled():
+                    message = getattr(e, "message", None) or str(e)
+                    raise HorovodInternalError(_FIXED_RANKS.format(message)) from e
+                skip_sync = False
+                _restart_after_loss()
             state.on_reset()
 
     return wrapper

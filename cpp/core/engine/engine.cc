@@ -221,8 +221,12 @@ void Engine::ShutdownAll() {
 }
 
 void Engine::Finalize() {
+  const bool elastic = Get().config().elastic;
   ShutdownAll();
-  MpiContext::FinalizeIfOwned();
+  // Elastic mode leaves MPI up at exit: with ULFM's heartbeat thread running, MPI_Finalize
+  // does not return (Open MPI 5.0.11), and after a lost rank it may wait for it. The process
+  // exits without it; the launcher counts finished ranks itself (tf_mpi/run.py).
+  if (!elastic) MpiContext::FinalizeIfOwned();
 }
 
 void Engine::Abort(int code) { AbortJob(code); }

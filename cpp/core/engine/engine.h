@@ -100,7 +100,7 @@ class Engine {
   // Stops the background thread after telling rank 0; pending and later
   // requests fail with an error. MPI stays initialised (see Finalize).
   void Shutdown();
-  // Shutdown(), then MPI_Finalize if this library initialised MPI.
+  // Shutdown(), then MPI_Finalize if this library initialised MPI (not in elastic mode: engine.cc).
   static void Finalize();
   // Kills the whole job (MPI_Abort); used when one rank cannot go on.
   [[noreturn]] static void Abort(int code);

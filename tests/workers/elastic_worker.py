@@ -1,0 +1,205 @@
+"""Elastic training under failures and growth, checked against a replay of the same schedule.
+
+Launched by tests/test_elastic.py with `python -m tf_mpi.run --min-np ... --max-np ...` (elastic
+mode). The scenario comes from the environment:
+
+  ELASTIC_MODE      tape (a tf.function loop with DistributedGradientTape) or fit (model.fit with
+                    the Keras elastic callbacks)
+  ELASTIC_FAULTS    "R@S[:SIG],...": the rank that started as world rank R sends itself SIG (KILL
+                    or STOP; default KILL) when the step count reaches S; "R@reset" while the
+                    job recovers from the first loss (in a reset callback)
+  ELASTIC_GROW_AT   step at which rank 0 creates ELASTIC_OUT/grow (the test's discovery script
+                    then lists more slots) and waits until its discovery has seen them
+  ELASTIC_STEPS     total optimizer steps
+  ELASTIC_OUT       directory for rank 0's result.json and the failing ranks' kill times
+
+Data: the job consumes the rows in order (tf_mpi.data.shard_arrays with batch_size, skip=rows
+committed so far): a step on n ranks trains on the next n*B rows, rank r on its B of them, so the
+average of the ranks' gradients is the gradient of the mean loss over those n*B rows. Every
+committed step records n; rank 0 then replays the committed schedule in one process (no
+collectives) from the same initial weights and compares: the elastic run must give the same
+weights to float tolerance, and every rank the same weights bit for bit. A step redone after a
+loss trains on the rows of that step again (the lost attempt was rolled back), shared among the
+ranks that remain; no row is trained on twice in the committed schedule.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_mpi as hvd  # noqa: E402
+import tf_mpi.keras as hvd_keras  # noqa: E402
+from tf_mpi import membership  # noqa: E402
+
+B = 8              # rows per rank per step
+ROWS = 512         # the data set
+FEATURES = 6
+COMMIT_EVERY = 2
+
+
+def data():
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(ROWS, 1))).astype(np.float32)
+    return x, y
+
+
+
+
+def make_model():
+    keras.utils.set_random_seed(1234)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(1)])
+    return model
+
+
+def make_optimizer():
+    return keras.optimizers.SGD(0.05, momentum=0.9)
+
+
+def parse_faults():
+    out = {}
+    for item in filter(None, os.environ.get("ELASTIC_FAULTS", "").split(",")):
+        who, _, rest = item.partition("@")
+        step, _, sig = rest.partition(":")
+        out[int(who)] = (step if step == "reset" else int(step), sig or "KILL")
+    return out
+
+
+def weights_vector(model):
+    return np.concatenate([v.numpy().ravel() for v in model.weights])
+
+
+def replay(sizes):
+    """One process, no collectives: the committed schedule on the global rows."""
+    x, y = data()
+    model, opt = make_model(), make_optimizer()
+    done = 0
+    for n in sizes:
+        idx = np.arange(done, done + n * B)
+        done += n * B
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[idx], training=True) - y[idx]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+    return weights_vector(model)
+
+
+def main():
+    hvd.init()
+    out = os.environ["ELASTIC_OUT"]
+    mode = os.environ.get("ELASTIC_MODE", "tape")
+    steps = int(os.environ.get("ELASTIC_STEPS", "12"))
+    faults = parse_faults()
+    # Ranks spawned to grow the job have no world rank among the first ones.
+    me = -1 if membership.spawned() else hvd.rank()
+    x, y = data()
+    model, opt = make_model(), make_optimizer()
+    model(x[:1])
+    opt.build(model.trainable_variables)
+    events = {"resets": [], "first_step_after_reset": [], "sizes_seen": []}
+
+    def on_reset():
+        events["resets"].append((time.time(), hvd.size()))
+        events["pending_first_step"] = True
+        if faults.get(me, (None,))[0] == "reset":
+            kill_self("reset", "KILL")
+
+    def kill_self(step, sig):
+        with open(os.path.join(out, f"fault{me}.json"), "w") as f:
+            json.dump({"time": time.time(), "signal": sig, "step": step}, f)
+        os.kill(os.getpid(), getattr(signal, "SIG" + sig))
+        time.sleep(60)  # a stopped process resumes here only if continued
+
+    grow_at = int(os.environ.get("ELASTIC_GROW_AT", "-1"))
+
+    def maybe_grow(state):
+        if state.step != grow_at or hvd.rank() != 0 or os.path.exists(os.path.join(out, "grow")):
+            return
+        open(os.path.join(out, "grow"), "w").close()
+        deadline = time.time() + 20
+        while not membership.pending_hosts() and time.time() < deadline:
+            time.sleep(0.1)
+
+    def note_step():
+        if events.pop("pending_first_step", False):
+            events["first_step_after_reset"].append(time.time())
+
+    def maybe_fail(state):
+        maybe_grow(state)
+        if me in faults and state.step == faults[me][0]:
+            kill_self(state.step, faults[me][1])
+
+    if mode == "tape":
+        state = hvd.elastic.TensorFlowKerasState(model, opt, step=0, sizes=(), samples=0)
+
+        @tf.function
+        def train_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+            return loss
+
+        @hvd.elastic.run
+        def train(state):
+            while state.step < steps:
+                maybe_fail(state)
+                xs, ys = hvd.data.shard_arrays(x, y, batch_size=B, skip=state.samples)
+                train_step(tf.constant(xs[:B]), tf.constant(ys[:B]))
+                note_step()
+                state.sizes = state.sizes + (hvd.size(),)
+                state.samples += hvd.size() * B
+                state.step += 1
+                if state.step % COMMIT_EVERY == 0:
+                    state.commit()
+    else:
+        model.compile(optimizer=hvd_keras.DistributedOptimizer(opt), loss="mse")
+        state = hvd_keras.elastic.KerasState(model, opt, step=0, sizes=(), samples=0, epoch=0, batch=0)
+
+        class Schedule(keras.callbacks.Callback):
+            """Notes each finished step in the state (before the commit callback saves it)."""
+
+            def on_train_batch_end(self, batch, logs=None):
+                note_step()
+                state.sizes = state.sizes + (hvd.size(),)
+                state.samples += hvd.size() * B
+                state.step += 1
+
+        @hvd.elastic.run
+        def train(state):
+            while state.step < steps:
+                maybe_fail(state)
+                # One fit per commit interval, so that a fault fires at a step boundary.
+                todo = min(COMMIT_EVERY - state.step % COMMIT_EVERY, steps - state.step)
+                xs, ys = hvd.data.shard_arrays(x, y, batch_size=B, skip=state.samples)
+                model.fit(xs[:todo * B], ys[:todo * B], batch_size=B, epochs=1, shuffle=False, verbose=0,
+                          callbacks=[Schedule(), hvd_keras.elastic.UpdateBatchStateCallback(state),
+                                     hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=COMMIT_EVERY)])
+
+    state.register_reset_callbacks([on_reset])
+    train(state)
+
+    final = weights_vector(model)
+    gathered = hvd.allgather_object(final)
+    result = {"size": hvd.size(), "sizes": list(state.sizes), "events": events,
+              "identical_on_every_rank": all(np.array_equal(g, final) for g in gathered)}
+    if hvd.rank() == 0:
+        reference = replay(state.sizes)
+        result["max_abs_diff_vs_replay"] = float(np.max(np.abs(reference - final)))
+        result["allclose_vs_replay"] = bool(np.allclose(reference, final, rtol=1e-5, atol=1e-6))
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+    with open(os.path.join(out, f"done{hvd.rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

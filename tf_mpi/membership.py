@@ -1,0 +1,295 @@
+"""Which ranks the job has, in elastic mode: start, shrink after a loss, grow by spawning.
+
+Elastic mode (``TF_MPI_ELASTIC=1``, set by ``python -m tf_mpi.run --min-np ...``) runs the engine
+on a communicator this module owns (an mpi4py duplicate of ``MPI_COMM_WORLD``, or, in a process
+spawned to grow the job, the merge with its parents). Membership changes only here, and only
+while the engine is stopped (``tf_mpi.elastic.run`` stops it, calls these functions and starts
+it again on the communicator they return):
+
+- :func:`shrink`: after a rank was lost, the survivors agree on who is left (ULFM's
+  ``MPI_Comm_shrink``, which tolerates further failures while it runs). Ranks keep their order:
+  the lowest surviving rank becomes rank 0.
+- :func:`grow`: when rank 0's discovery (:class:`Discovery`) found free slots, every rank spawns
+  the new processes together (``MPI_Comm_spawn``, the same program and arguments) and merges them
+  in after the current ranks.
+
+It knows nothing of the engine (``tf_mpi.basics`` calls :func:`start` and :func:`after_start`).
+
+The limits come from the launcher: ``TF_MPI_ELASTIC_MIN_NP`` (fewer ranks end the job with
+:class:`MembershipError`) and ``TF_MPI_ELASTIC_MAX_NP`` (never grown past). The discovery
+script (``TF_MPI_ELASTIC_DISCOVERY``) prints ``host:slots`` lines, as Horovod's does.
+
+This module does not import TensorFlow.
+
+Example::
+
+    from tf_mpi import membership
+    if membership.enabled():
+        comm = membership.start()         # what tf_mpi.init() runs on
+"""
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "comm", "shrink", "grow", "Discovery"]
+
+# How often rank 0 runs the discovery script (Horovod's driver checks about once a second).
+DISCOVERY_INTERVAL_S = float(os.environ.get("TF_MPI_ELASTIC_DISCOVERY_INTERVAL", "1"))
+
+
+class MembershipError(RuntimeError):
+    """The job cannot go on: fewer ranks than ``--min-np`` remain, or elastic mode is not available.
+
+    Example::
+
+        except tf_mpi.membership.MembershipError as e:
+            sys.exit(str(e))
+    """
+
+
+_comm = None          # the communicator the engine runs on (mpi4py), elastic mode only
+_hosts = []           # the host name of each rank of _comm, in rank order
+_discovery = None     # rank 0's Discovery thread
+_spawned = False      # this process was started by grow()
+
+
+def enabled():
+    """Whether this process runs in elastic mode (``TF_MPI_ELASTIC=1``).
+
+    Example: ``if tf_mpi.membership.enabled(): ...``
+    """
+    return os.environ.get("TF_MPI_ELASTIC", "0") == "1"
+
+
+def min_np():
+    """The fewest ranks the job may go on with (``--min-np``; 1 when not given).
+
+    Example: ``tf_mpi.membership.min_np()``
+    """
+    return int(os.environ.get("TF_MPI_ELASTIC_MIN_NP", "1") or 1)
+
+
+def max_np():
+    """The most ranks the job may grow to (``--max-np``; None: never grows).
+
+    Example: ``tf_mpi.membership.max_np()``
+    """
+    value = os.environ.get("TF_MPI_ELASTIC_MAX_NP", "")
+    return int(value) if value else None
+
+
+def _mpi():
+    try:
+        import mpi4py
+        if "mpi4py.MPI" not in sys.modules:
+            # No MPI_Finalize at exit: with ULFM's heartbeat thread it does not return (engine.cc, Finalize).
+            mpi4py.rc.finalize = False
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - mpi4py is a dependency
+        raise MembershipError("tf_mpi elastic mode needs mpi4py (pip install mpi4py)") from e
+    if not hasattr(MPI.Comm, "Shrink"):
+        raise MembershipError("tf_mpi elastic mode needs mpi4py >= 4 with ULFM (Comm.Shrink)")
+    return MPI
+
+
+def start():
+    """The communicator elastic mode starts the engine on (collective; called by ``tf_mpi.init()``).
+
+    A process spawned by :func:`grow` merges with its parents here, after them in rank order.
+
+    Example::
+
+        tf_mpi.init()    # in elastic mode: init(comm=membership.start())
+    """
+    global _comm, _spawned
+    MPI = _mpi()
+    parent = MPI.Comm.Get_parent()
+    _spawned = parent != MPI.COMM_NULL
+    if _spawned:
+        parent.Set_errhandler(MPI.ERRORS_RETURN)
+        comm = parent.Merge(high=True)
+    else:
+        comm = MPI.COMM_WORLD.Dup()
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    _comm = comm
+    return comm
+
+
+def spawned():
+    """Whether this process was started to grow the job (it joined a running job in ``start()``).
+
+    Example: ``if not tf_mpi.membership.spawned(): load_data_cache()``
+    """
+    return _spawned
+
+
+def comm():
+    """The communicator the engine runs on in elastic mode (None otherwise).
+
+    Example: ``tf_mpi.membership.comm().Get_size()``
+    """
+    return _comm
+
+
+def after_start():
+    """Learns every rank's host and starts rank 0's discovery (collective over :func:`comm`).
+
+    Example: called by ``tf_mpi.init()`` in elastic mode, once the engine runs.
+    """
+    global _hosts, _discovery
+    _hosts = _comm.allgather(socket.gethostname())
+    script = os.environ.get("TF_MPI_ELASTIC_DISCOVERY", "")
+    if _discovery is not None:
+        _discovery.stop()
+        _discovery = None
+    if script and _comm.Get_rank() == 0:
+        _discovery = Discovery(script, list(_hosts), max_np())
+        _discovery.start()
+
+
+def shrink():
+    """The communicator of the ranks that remain after a loss (collective over the survivors).
+
+    Raises MembershipError when fewer than ``min_np()`` remain.
+
+    Example::
+
+        comm = membership.shrink()      # then tf_mpi.init(comm=comm)
+    """
+    global _comm
+    MPI = _mpi()
+    old = _comm
+    try:
+        old.Revoke()
+    except MPI.Exception:
+        pass  # revoked already (by a peer)
+    _comm = old.Shrink()
+    _comm.Set_errhandler(MPI.ERRORS_RETURN)
+    if _comm.Get_size() < min_np():
+        raise MembershipError(
+            f"tf_mpi: {_comm.Get_size()} rank(s) remain after losing rank(s), fewer than the minimum of "
+            f"{min_np()} (--min-np): the job ends")
+    return _comm
+
+
+def pending_hosts():
+    """Rank 0: one host name per rank the discovery found a free slot for ([] elsewhere or without a script).
+
+    Example: ``hosts = membership.pending_hosts()``
+    """
+    return _discovery.new_hosts() if _discovery is not None else []
+
+
+def grow(hosts):
+    """The communicator with ``len(hosts)`` new ranks (one per entry, on that host) after the current ones.
+
+    Collective over the current ranks; ``hosts`` must be the same list on all (rank 0's, broadcast).
+    The new processes run this program with the same arguments and join in ``tf_mpi.init()``.
+
+    Example::
+
+        comm = membership.grow(["h3", "h3"])   # then tf_mpi.init(comm=comm)
+    """
+    global _comm
+    MPI = _mpi()
+    if not hosts:
+        return _comm
+    info = MPI.Info.Create()
+    counts = {}
+    for h in hosts:
+        counts[h] = counts.get(h, 0) + 1
+    info.Set("host", ",".join(f"{h}:{n}" for h, n in counts.items()))
+    # mpirun's -x reaches only the ranks it started; the new ones get the same settings here.
+    forwarded = {name: value for name, value in os.environ.items() if _forwarded(name)}
+    if forwarded:
+        info.Set("env", "\n".join(f"{name}={value}" for name, value in sorted(forwarded.items())))
+    inter = _comm.Spawn(sys.executable, args=list(sys.argv), maxprocs=len(hosts), info=info, root=0)
+    info.Free()
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    _comm = merged
+    return _comm
+
+
+class Discovery(threading.Thread):
+    """Rank 0's background check for free slots: runs the discovery script every
+    ``TF_MPI_ELASTIC_DISCOVERY_INTERVAL`` seconds (default 1).
+
+    A slot is free when the script lists more slots on a host than the job has ranks there.
+    ``new_hosts()`` gives one host name per rank to add (up to the maximum size).
+
+    Example::
+
+        d = Discovery("./discover.sh", current_hosts=["h1", "h1"], max_np=4)
+        d.start(); ...; d.new_hosts()   # e.g. ["h2", "h2"]
+    """
+
+    def __init__(self, script, current_hosts, max_np):
+        super().__init__(daemon=True, name="tf_mpi-discovery")
+        self.script = script
+        self.current = list(current_hosts)
+        self.max_np = max_np
+        self._listed = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def run(self):
+        while not self._stop.is_set():
+            try:
+                listed = parse_hosts(subprocess.run([self.script], capture_output=True, text=True,
+                                                    timeout=30, check=True).stdout)
+            except (OSError, subprocess.SubprocessError, ValueError) as e:
+                sys.stderr.write(f"[tf_mpi] host discovery script {self.script} failed: {e}\n")
+                listed = None
+            if listed is not None:
+                with self._lock:
+                    self._listed = listed
+            self._stop.wait(DISCOVERY_INTERVAL_S)
+
+    def stop(self):
+        self._stop.set()
+
+    def new_hosts(self):
+        with self._lock:
+            listed = dict(self._listed)
+        used = {}
+        for h in self.current:
+            used[h] = used.get(h, 0) + 1
+        out = []
+        for host, slots in listed.items():
+            out += [host] * max(0, slots - used.get(host, 0))
+        if self.max_np is not None:
+            out = out[:max(0, self.max_np - len(self.current))]
+        else:
+            out = []
+        return out
+
+    def new_slots(self):
+        return len(self.new_hosts())
+
+
+def _forwarded(name):
+    """Variables a spawned rank must see as the first ranks did: tf_mpi's, and those the launcher forwarded."""
+    listed = os.environ.get("TF_MPI_ELASTIC_FORWARD", "").split(",")
+    return name.startswith("TF_MPI_") or name in listed
+
+
+def parse_hosts(text, default_slots=1):
+    """``{host: slots}`` from a discovery script's output: one ``host:slots`` (or ``host``) per line.
+
+    Example::
+
+        parse_hosts("h1:2\\nh2:2\\n")   # {"h1": 2, "h2": 2}
+    """
+    hosts = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        host, _, slots = line.partition(":")
+        hosts[host.strip()] = int(slots) if slots.strip() else default_slots
+    return hosts

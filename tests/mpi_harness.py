@@ -40,6 +40,7 @@ class MpiRun:
     def __init__(self, returncode, output, results, elapsed, timed_out, out_dir=None):
         self.returncode, self.output, self.results = returncode, output, results
         self.elapsed, self.timed_out, self.out_dir = elapsed, timed_out, out_dir
+        self.launch = self  # the whole launch (a section's run: the launch it is part of)
 
     def section(self, name):
         """The part of a sections launch (sections_launch) that ran section `name`: that section's
@@ -55,7 +56,7 @@ class MpiRun:
             elif inside:
                 lines.append(line)
         run = MpiRun(self.returncode, "".join(lines), results, self.elapsed, self.timed_out)
-        run.section_name = name
+        run.section_name, run.launch = name, self
         return run
 
     def assert_clean_exit(self):
@@ -167,6 +168,28 @@ def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=Fals
     ranks; the whole launch, whose run.section(name) is each section's run."""
     return shared_launch(np, SECTIONS_WORKER, timeout=timeout, env=env, args=[json.dumps(sections)], heavy=heavy,
                          alone=alone, start=start)
+
+
+# Test modules share such a launch: each module joins it at import with its own section(s), and
+# the launch runs the sections of every module collected in the session (a module run alone runs
+# only its own). Its key is its full list of sections, complete once collection has ended.
+_joint = {}  # (group, np) -> {section name: (last, section, time limit)}
+
+
+def joint_launch(group, np, name, worker, args=(), env=None, timeout=300, last=False):
+    """Joins section `name` (section(name, worker, args, env)) to the launch `group` on np ranks;
+    returns launch(start=False): that section's run of the launch (start=True: starts the launch).
+    Sections run in the order their modules were collected, those with last=True at the end (e.g. a
+    check of what happens at process exit); the launch's time limit is its sections' sum (<= 900 s)."""
+    entry = _joint.setdefault((group, np), {})
+    entry[name] = (last, section(name, worker, args, env), timeout)
+
+    def launch(start=False):
+        parts = sorted(entry.values(), key=lambda part: part[0])  # stable: collection order, last ones last
+        run = sections_launch(np, [sec for _, sec, _ in parts], timeout=min(900, sum(t for _, _, t in parts)),
+                              start=start)
+        return run if start else run.section(name)
+    return launch
 
 
 class ExampleRun:

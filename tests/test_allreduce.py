@@ -3,11 +3,12 @@ eager and tf.function, gradients, ordering, edge cases and errors.
 
 np=2 runs with the default fusion settings (and the >2^31-element case);
 np=3 runs with fusion off and 4 KiB MPI chunks, so both code paths and a
-non-power-of-two world are covered.
+non-power-of-two world are covered; it is a section of the np=3 launch that
+other modules' workers join (mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, prefetch_by_np, shared_launch
+from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np, shared_launch
 
 WORKER = "allreduce_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
@@ -18,7 +19,12 @@ CONFIGS = {
 }
 
 
+JOINT3 = joint_launch("np3", 3, "allreduce", WORKER, env=CONFIGS[3], timeout=240)
+
+
 def launch(np, start=False):
+    if np == 3:
+        return JOINT3(start=start)
     # np=2 allocates 2 x 4 GiB (TF_MPI_TEST_BIG): never beside another launch that needs as much.
     return shared_launch(np, WORKER, timeout=420, env=CONFIGS[np], heavy=np == 2, start=start)
 
@@ -31,7 +37,8 @@ def test_launch_exits_cleanly(np):
     """Workers exit without calling shutdown(): the job must still end with rc 0 and no MPI complaints."""
     run = launch(np)
     run.assert_clean_exit()
-    assert "exited improperly" not in run.output and "MPI_ABORT" not in run.output, run.describe()
+    whole = run.launch  # np=3: the joint launch, whose last section exits without shutdown()
+    assert "exited improperly" not in whole.output and "MPI_ABORT" not in whole.output, whole.describe()
 
 
 @pytest.mark.parametrize("np", sorted(CONFIGS))

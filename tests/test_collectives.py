@@ -1,23 +1,27 @@
 """allgather, broadcast, alltoall, reducescatter (every dtype, uneven sizes,
 empty parts, gradients, errors), object helpers and data sharding, under
-real mpirun at np=2 and np=3."""
+real mpirun at np=2 and np=3, each a section of the launch of that size that
+other modules' workers join (mpi_harness.joint_launch); at np=2 it is the last
+section, so the timeline it records runs to the process's exit."""
 import json
 import os
 import tempfile
 
 import pytest
 
-from mpi_harness import assert_check, check_names, prefetch_by_np, selected_tests, shared_launch
+from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np, selected_tests
 
 WORKER = "collectives_worker.py"
 TRACE = os.path.join(tempfile.mkdtemp(), "whole_run.json")
 
 
+ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+LAUNCHES = {2: joint_launch("np2", 2, "collectives", WORKER, env={**ENV, "TF_MPI_TIMELINE": TRACE}, last=True),
+            3: joint_launch("np3", 3, "collectives", WORKER, env=ENV)}  # np=2: the whole run, from init() to exit
+
+
 def launch(np, start=False):
-    env = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-    if np == 2:
-        env["TF_MPI_TIMELINE"] = TRACE  # the whole run, from init() to exit
-    return shared_launch(np, WORKER, timeout=300, env=env, start=start)
+    return LAUNCHES[np](start=start)
 
 
 def prefetch(items):

@@ -5,15 +5,23 @@ residuals bit for bit against a numpy simulation of the algorithm (ties
 included), the same result on every rank, the engine's byte counters, Keras
 fit through DistributedOptimizer, resuming from model.save / load_model and
 from tf.train.Checkpoint exactly as an uninterrupted run, and bad ratios.
+At np=2 and np=3 the worker is a section of the launch of that size that other
+modules' workers join (mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, params_of, selected_tests, shared_launches
+from mpi_harness import assert_check, check_names, joint_launch, params_of, selected_tests, shared_launches
 
 WORKER = "compression_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-launch = shared_launches(WORKER, ENV)
+LAUNCHES = {np: joint_launch(f"np{np}", np, "compression", WORKER, env=ENV) for np in (2, 3)}
+
+
+def launch(np, start=False):
+    return LAUNCHES[np](start=start)
+
+
 # 7 ranks: 3 past the largest power of two (4), so one rank sends the result's
 # indices to one of them and its values to another.
 GTOPK_UNEVEN = ["check_gtopk_matches_numpy_eager", "check_byte_counters_show_the_reduction"]

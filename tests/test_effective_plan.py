@@ -1,19 +1,18 @@
 """The effective grouping plan: with TF_MPI_AUTOTUNE=plan, rank 0's holdback may send
 consecutive groups of the grouping plan as one message. describe() says so and names each
 group's collective; rank 0 logs the plan in effect on the wire once, when the tuner finishes, as
-the same collectives, grouped as they are sent (2 ranks, a small Keras model)."""
+the same collectives, grouped as they are sent (2 ranks, a small Keras model; a section of the np=2
+launch that other modules' workers join, mpi_harness.joint_launch)."""
 import json
 import re
 
-from mpi_harness import assert_check, shared_launch
+from mpi_harness import assert_check, joint_launch
 
 WORKER = "plan_worker.py"
 CHECK = "check_plan_is_described_with_its_collectives_and_the_holdback"
 
 
-def launch(start=False):
-    return shared_launch(2, WORKER, timeout=300, env={"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"},
-                         start=start)
+launch = joint_launch("np2", 2, "effective_plan", WORKER, env={"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"})
 
 
 def prefetch(items):

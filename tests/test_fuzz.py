@@ -2,16 +2,16 @@
 TensorFlow ops and the numpy binding, about a third of them wrong on purpose
 (tests/workers/fuzz_worker.py). Good calls must be right, bad calls must raise
 on the ranks concerned within seconds (a call wrong on one rank only: the other
-rank's stall error after TF_MPI_STALL_SHUTDOWN_TIME_SECONDS), and no process may crash."""
+rank's stall error after TF_MPI_STALL_SHUTDOWN_TIME_SECONDS), and no process may crash. A section of
+the np=2 launch that other modules' workers join (mpi_harness.joint_launch)."""
 import json
 
-from mpi_harness import assert_check, shared_launch
+from mpi_harness import assert_check, joint_launch
 
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "3"}
 
 
-def launch(start=False):
-    return shared_launch(2, "fuzz_worker.py", timeout=240, env=ENV, start=start)
+launch = joint_launch("np2", 2, "fuzz", "fuzz_worker.py", env=ENV, timeout=240)
 
 
 def prefetch(items):

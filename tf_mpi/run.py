@@ -36,15 +36,60 @@ What it adds to ``mpirun``:
 A setting given on the command line (``--mca btl ...``) or already in the environment
 (``OMPI_MCA_btl``) wins over these defaults. Other launch settings are plain Open MPI ones, e.g.
 an ssh replacement: ``--prtemca plm_ssh_agent AGENT`` or ``PRTE_MCA_plm_ssh_agent=AGENT``.
+
+Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on)::
+
+    python -m tf_mpi.run --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py
+    python -m tf_mpi.run -np 2 --min-np 1 --max-np 3 --host h1:2,h2:2 python train.py
+
+- ``--min-np N``: the fewest ranks the job may go on with (default: ``-np``);
+  ``--max-np N``: the most it may grow to (default: the slots the hosts offer at launch, at least
+  ``-np``); ``--host-discovery-script PATH``: a program printing the hosts that may be used now,
+  one ``host:slots`` per line (``host`` alone: ``--slots`` slots, default 1); ``--elastic``: elastic
+  mode without any of them. ``-np`` is the initial size (default ``--min-np``). Without
+  ``--host``/``--hostfile`` the discovery script is run once and its hosts are the job's.
+- The ranks run under Open MPI's fault tolerance (ULFM), with the settings in
+  :data:`ELASTIC_MPIRUN_ARGS` (each unless set on the command line): a rank that dies or hangs
+  gives the others an MPI error instead of ending the job, and ranks spawned later
+  (``MPI_Comm_spawn``) belong to a job that survives failures too. Losing a whole host (its Open
+  MPI daemon) still ends the job: Open MPI 5.0's launcher has no setting against that. On one host the byte
+  transports are shared memory plus TCP on the loopback interface only
+  (:data:`ELASTIC_LOCAL_ENV`: a spawned rank cannot reach the others through shared memory), and
+  ``--oversubscribe`` is added when ``--max-np`` exceeds the cores. Every host the discovery script
+  lists at launch is declared to ``mpirun`` (with its slots), so that ranks can later be spawned
+  there; only ``-np`` ranks start.
+- The ranks get (and, on several hosts, are forwarded with ``-x``): ``TF_MPI_ELASTIC=1``,
+  ``TF_MPI_ELASTIC_MIN_NP``, ``TF_MPI_ELASTIC_MAX_NP``, ``TF_MPI_ELASTIC_SLOTS`` (slots of a
+  discovered host without a count), ``TF_MPI_ELASTIC_HOSTS`` (the ``host:slots`` list declared
+  to ``mpirun``; empty: this host), ``TF_MPI_ELASTIC_DISCOVERY`` (the script's absolute path, when given) and
+  ``TF_MPI_ELASTIC_STATUS_DIR`` (see below). :func:`parse_discovery_output` and
+  :func:`discover_hosts` read a discovery script's hosts the same way the launcher does;
+  :func:`elastic_spawn_info` gives the ``MPI_Comm_spawn`` info a growing job needs.
+- Exit status: ``mpirun``'s own is no guide (0 although a rank was killed; a failed rank's code
+  although the others finished). Each rank that completes the training calls
+  :func:`mark_worker_finished` (``ok=False`` where it ends on an error), then ``comm.Agree(1)``
+  on its final communicator (errors ignored: a rank that leaves while another is still inside the
+  last collective fails it) and ends its process **without** ``MPI_Finalize`` (``os._exit`` after
+  flushing its output: with the heartbeat thread ULFM's ``MPI_Finalize`` does not return).
+  ``python -m tf_mpi.run`` then exits 0 when at least ``--min-np`` ranks marked themselves
+  finished and none marked a failure; 1 otherwise (or ``mpirun``'s status where that is not 0
+  and no rank marked anything), and says why on stderr.
+  When every rank of the final group (the marks carry rank and size) has marked itself finished
+  and ``mpirun`` is still running :data:`ELASTIC_EXIT_GRACE_S` seconds later
+  (``TF_MPI_ELASTIC_EXIT_GRACE_S``), the launcher ends it.
+
 It does not import TensorFlow.
 """
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
+import time
 
 TWO_VALUE_OPTIONS = frozenset({"--mca", "-mca", "--gmca", "-gmca", "--prtemca", "--pmixmca"})
 """mpirun options followed by two words (a parameter name and its value)."""
@@ -131,7 +176,7 @@ def mpirun_env(base=None):
     return env
 
 
-def split_args(argv):
+def split_args(argv, require_np=True):
     """Splits ``tf_mpi.run``'s arguments into (np, mpirun options, program).
 
     Example::
@@ -162,7 +207,7 @@ def split_args(argv):
             raise ValueError(f"{a} needs {width - 1} value(s)")
         options += argv[i:i + width]
         i += width
-    if np is None:
+    if np is None and require_np:
         raise ValueError("-np N is required")
     program = argv[i:]
     if not program:
@@ -307,18 +352,473 @@ def run_reporting_lost_hosts(argv, env):
     return rc
 
 
+# -- elastic mode ----------------------------------------------------------------------------------
+ELASTIC_VALUE_OPTIONS = {"--min-np": "min_np", "--max-np": "max_np",
+                         "--host-discovery-script": "discovery", "--slots": "slots"}
+"""tf_mpi.run's own elastic options (Horovod's spellings) and the setting each gives."""
+
+ELASTIC_FLAG = "--elastic"
+
+ELASTIC_MPIRUN_ARGS = (
+    ("--with-ft", "ulfm"),                               # ULFM in the ranks; the job outlives a failure
+    ("--mca", "pml", "ob1"),                             # the messaging layer ULFM recovers in
+    ("--mca", "mpi_ft_detector", "true"),                # heartbeats: finds a hung (not dead) rank
+    ("--mca", "mpi_ft_detector_thread", "true"),         # ... beating while the rank computes
+    ("--mca", "mpi_ft_detector_period", "0.5"),          # seconds between heartbeats
+    ("--mca", "mpi_ft_detector_timeout", "3"),           # silence after which a rank is failed
+    ("--prtemca", "state_base_recoverable", "1"),        # spawned jobs outlive failures too
+)
+"""What elastic mode adds to ``mpirun`` (each item unless the command line sets it already).
+
+``--with-ft ulfm`` alone finds a killed rank in ~10 ms, but not a rank that hangs or exits
+without ``MPI_Finalize`` on shared memory: the heartbeat detector does (in about the timeout).
+Without its own thread, a rank that computes for longer than the timeout without calling MPI
+(tf_mpi's engine thread sleeps while nothing is submitted) is declared failed; with the thread
+it is not, but then ``MPI_Finalize`` does not return (hence the exit contract). Jobs started by
+``MPI_Comm_spawn`` are not covered by ``--with-ft`` and would end the whole run where one of their
+ranks ends without ``MPI_Finalize``: ``state_base_recoverable`` makes every job recoverable."""
+
+ELASTIC_LOCAL_ENV = {"OMPI_MCA_btl": "self,sm,tcp", "OMPI_MCA_btl_tcp_if_include": "lo"}
+"""A single-host elastic job's transports: shared memory within the first job, TCP on the loopback
+interface between it and spawned ranks (shared memory does not connect separate jobs)."""
+
+ELASTIC_EXIT_GRACE_S = 20.0
+"""How long the launcher lets ``mpirun`` run on once every rank of the final group has marked
+itself finished (``TF_MPI_ELASTIC_EXIT_GRACE_S`` overrides)."""
+
+ELASTIC_MARK_PREFIX = "TF_MPI_ELASTIC_FINISHED "
+"""A rank that cannot see the status directory (another host, no shared file system) prints its
+mark as one line starting with this on stdout; the launcher takes it out of the output."""
+
+
+def parse_discovery_output(text, default_slots=1):
+    """The ``[(host, slots), ...]`` a host-discovery script printed: one ``host:slots`` or ``host``
+    (``default_slots``) per line; blank lines and ``#`` comments are skipped; a host listed twice
+    keeps its last count. Raises ValueError naming the line that is neither.
+
+    Example::
+
+        parse_discovery_output("h1:4\\nh2\\n", default_slots=2)   # -> [("h1", 4), ("h2", 2)]
+    """
+    hosts = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, sep, count = line.rpartition(":") if line.count(":") == 1 else ("", "", line)
+        if not sep:
+            host, count = line, None
+        if not host or any(c.isspace() for c in host) or (count is not None and not count.strip().isdigit()):
+            raise ValueError(f"host discovery output line {n}: {raw!r} is not 'host' or 'host:slots'")
+        slots = default_slots if count is None else int(count)
+        if slots < 1:
+            raise ValueError(f"host discovery output line {n}: {raw!r}: slots must be at least 1")
+        hosts[host] = slots
+    return list(hosts.items())
+
+
+def discover_hosts(script, default_slots=1, timeout=60):
+    """Runs a host-discovery script (an executable; its output as for :func:`parse_discovery_output`)
+    and returns its ``[(host, slots), ...]``. Raises RuntimeError if it fails or prints no host.
+
+    Example::
+
+        discover_hosts("./hosts.sh")   # -> [("h1", 2), ("h2", 2)]
+    """
+    try:
+        r = subprocess.run([os.path.abspath(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"host discovery script {script}: {e}") from None
+    if r.returncode != 0:
+        raise RuntimeError(f"host discovery script {script} exited with {r.returncode}: {r.stderr.strip()[-500:]}")
+    hosts = parse_discovery_output(r.stdout, default_slots)
+    if not hosts:
+        raise RuntimeError(f"host discovery script {script} listed no host")
+    return hosts
+
+
+def _host_slots(options):
+    """``[(host, slots or None), ...]`` from the options' ``--host`` lists and hostfiles."""
+    out = []
+    for value in _option_values(options, HOST_OPTIONS):
+        for h in filter(None, value.split(",")):
+            name, _, count = h.rpartition(":") if h.count(":") == 1 else (h, "", "")
+            out.append((name, int(count) if count.isdigit() else None))
+    for path in _option_values(options, HOSTFILE_OPTIONS):
+        with open(path) as f:
+            for line in f:
+                words = line.split("#", 1)[0].split()
+                if words:
+                    slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith(("slots=", "max_slots="))]
+                    out.append((words[0], int(slots[0]) if slots and slots[0].isdigit() else None))
+    return out
+
+
+def split_elastic_args(argv):
+    """Takes tf_mpi.run's elastic options out of ``argv`` (only before the program).
+    Returns (settings, the other arguments): settings maps ``min_np``, ``max_np``, ``discovery``,
+    ``slots`` to what was given, and is None when no elastic option was given (``--slots`` alone
+    is left to mpirun then).
+
+    Example::
+
+        split_elastic_args(["--min-np", "2", "-np", "3", "python", "t.py"])
+        # -> ({"min_np": 2}, ["-np", "3", "python", "t.py"])
+    """
+    settings, rest, i, elastic = {}, [], 0, False
+    while i < len(argv):
+        a = argv[i]
+        if a == "--" or not a.startswith("-") or a == "-":
+            break
+        name, has_eq, value = a.partition("=")
+        if name in ELASTIC_VALUE_OPTIONS:
+            if not has_eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{a} needs a value")
+                value, i = argv[i + 1], i + 1
+            key = ELASTIC_VALUE_OPTIONS[name]
+            if key != "discovery":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ValueError(f"{name} needs a whole number, not {value!r}") from None
+            settings[key] = value
+            elastic = elastic or key != "slots"
+            i += 1
+            continue
+        if a == ELASTIC_FLAG:
+            elastic, i = True, i + 1
+            continue
+        width = 1 if (has_eq or a in FLAG_OPTIONS) else 3 if a in TWO_VALUE_OPTIONS else 2
+        if "--" in argv[i + 1:i + width]:
+            width = 1
+        rest += argv[i:i + width]
+        i += width
+    rest += argv[i:]
+    if not elastic:   # (``--slots`` alone is mpirun's): the arguments as they were
+        return None, list(argv)
+    return settings, rest
+
+
+def _option_is_set(options, env, name, value_name=None):
+    """Whether ``options`` (or, for an MCA parameter, the environment) already set ``name``."""
+    if value_name is None:
+        return name in options or any(o.startswith(name + "=") for o in options)
+    for i in range(len(options) - 2):
+        if options[i] == name and options[i + 1] == value_name:
+            return True
+    prefix = {"--mca": "OMPI_MCA_", "-mca": "OMPI_MCA_", "--prtemca": "PRTE_MCA_"}.get(name)
+    return prefix is not None and f"{prefix}{value_name}" in env
+
+
+def elastic_launch(np, options, program, settings, env=None, status_dir=None):
+    """The (argv, env, settings) that start an elastic job: ``np`` ranks (None: ``--min-np``) with
+    mpirun ``options``, ``settings`` from :func:`split_elastic_args`. The returned settings are
+    complete (``np``, ``min_np``, ``max_np``, ``slots``, ``discovery``, ``hosts``). Raises
+    ValueError for sizes that do not fit together, RuntimeError where discovery fails.
+
+    Example::
+
+        argv, env, s = elastic_launch(None, [], ["python", "t.py"], {"min_np": 2, "max_np": 3})
+    """
+    env = mpirun_env(env)
+    settings = dict(settings)
+    slots = settings.get("slots", 1)
+    if slots < 1:
+        raise ValueError("--slots must be at least 1")
+    min_np = settings.get("min_np", np)
+    if min_np is None:
+        raise ValueError("elastic mode needs --min-np N (or -np N)")
+    np = min_np if np is None else np
+    options = list(options)
+    named = _host_slots(options)
+    discovery = settings.get("discovery")
+    discovered = []
+    if discovery:
+        if not os.path.isfile(discovery):
+            raise ValueError(f"--host-discovery-script {discovery}: no such file")
+        discovery = os.path.abspath(discovery)
+        discovered = discover_hosts(discovery, slots)
+    # Every host known at launch is declared to mpirun with its slots (spawn can reach those):
+    # the ones named, then the discovered ones not named.
+    declared = [(h, n if n is not None else slots) for h, n in named]
+    declared += [(h, n) for h, n in discovered if h not in {d for d, _ in declared}]
+    if declared:
+        offered = sum(n for _, n in declared)
+    else:
+        offered = None                                   # mpirun's default allocation (this host)
+    max_np = settings.get("max_np")
+    if max_np is None:
+        max_np = max(np, offered or np)
+    if min_np < 1:
+        raise ValueError(f"--min-np must be at least 1 (got {min_np})")
+    if max_np < min_np:
+        raise ValueError(f"--max-np {max_np} is below --min-np {min_np}")
+    if not min_np <= np <= max_np:
+        raise ValueError(f"-np {np} must lie between --min-np {min_np} and --max-np {max_np}")
+    if offered is not None and np > offered:
+        raise ValueError(f"-np {np} ranks do not fit in the {offered} slots of {','.join(h for h, _ in declared)}")
+    if discovered and not named:
+        options += ["--host", ",".join(f"{h}:{n}" for h, n in declared)]
+    elif discovered:
+        # The named hosts come first; the discovered ones join the allocation for later spawns.
+        options = _without_host_options(options) + ["--host", ",".join(f"{h}:{n}" for h, n in declared)]
+    local = is_single_host(options, env)
+    mpirun_is_ompi = is_open_mpi(find_mpirun())
+    added = []
+    for item in ELASTIC_MPIRUN_ARGS:
+        if not _option_is_set(options, env, item[0], item[1] if len(item) == 3 else None):
+            added += list(item)
+    if local:
+        if not _sets_mca(options, env, "btl"):
+            env.update(ELASTIC_LOCAL_ENV)
+        if np <= (os.cpu_count() or 1) < max_np and "--oversubscribe" not in options:
+            added.append("--oversubscribe")
+    env["TF_MPI_ELASTIC"] = "1"
+    env["TF_MPI_ELASTIC_MIN_NP"] = str(min_np)
+    env["TF_MPI_ELASTIC_MAX_NP"] = str(max_np)
+    env["TF_MPI_ELASTIC_SLOTS"] = str(slots)
+    env["TF_MPI_ELASTIC_HOSTS"] = ",".join(f"{h}:{n}" for h, n in declared)
+    if discovery:
+        env["TF_MPI_ELASTIC_DISCOVERY"] = discovery
+    else:
+        env.pop("TF_MPI_ELASTIC_DISCOVERY", None)
+    if status_dir:
+        env["TF_MPI_ELASTIC_STATUS_DIR"] = status_dir
+    argv, env = launch(np, (added if mpirun_is_ompi else []) + options, program, env)
+    settings.update(np=np, min_np=min_np, max_np=max_np, slots=slots, discovery=discovery,
+                    hosts=declared)
+    return argv, env, settings
+
+
+def _without_host_options(options):
+    out, i = [], 0
+    while i < len(options):
+        a = options[i]
+        if a in HOST_OPTIONS or a in HOSTFILE_OPTIONS:
+            i += 2
+            continue
+        if "=" in a and a.split("=", 1)[0] in (HOST_OPTIONS | HOSTFILE_OPTIONS):
+            i += 1
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def mark_worker_finished(ok=True, rank=None, size=None):
+    """Tells ``python -m tf_mpi.run`` (elastic mode) that this rank has completed the run: ``ok``
+    False where it ends on an error; ``rank`` and ``size`` its place in the final communicator
+    (they let the launcher see that the whole final group is done). Does nothing (returns None)
+    outside elastic mode. Writes ``<host>.<pid>.json`` into ``TF_MPI_ELASTIC_STATUS_DIR`` (returns
+    its path); where that directory is not visible (another host without a shared file system)
+    prints the mark on stdout for the launcher instead. Calling it again replaces the mark. It does
+    not import TensorFlow or MPI.
+
+    Example (a worker's last lines)::
+
+        tf_mpi.run.mark_worker_finished(ok=True, rank=comm.Get_rank(), size=comm.Get_size())
+        try:
+            comm.Agree(1)          # nobody leaves while another rank still needs it
+        except MPI.Exception:
+            pass
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)                # no MPI_Finalize
+    """
+    where = os.environ.get("TF_MPI_ELASTIC_STATUS_DIR")
+    if not where:
+        return None
+    record = {"ok": bool(ok), "rank": rank, "size": size, "host": socket.gethostname(),
+              "pid": os.getpid(), "time": time.time()}
+    if os.path.isdir(where):
+        path = os.path.join(where, f"{record['host']}.{record['pid']}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+        return path
+    sys.stdout.write(ELASTIC_MARK_PREFIX + json.dumps(record) + "\n")
+    sys.stdout.flush()
+    return None
+
+
+def elastic_spawn_info(host=None, env=None, left_out=None):
+    """The ``(key, value)`` MPI_Info items for ``MPI_Comm_spawn`` in an elastic job: ``host`` (e.g.
+    ``"h2:2"``, one of ``TF_MPI_ELASTIC_HOSTS``; None: Open MPI chooses), a mapping that may use a
+    slot Open MPI still counts as taken by a rank that died, and the ``TF_MPI_*`` variables of
+    ``env`` (default os.environ): a rank spawned on another host starts from that host's login
+    environment, without what ``mpirun -x`` forwarded. An info value holds at most
+    :data:`MAX_INFO_VALUE` characters: the ``TF_MPI_ELASTIC*`` variables go first, then the others
+    while they fit; the names of those that do not fit are appended to ``left_out`` (a list), for
+    the parents to send the new ranks after the merge.
+
+    Example::
+
+        info = MPI.Info.Create()
+        for key, value in tf_mpi.run.elastic_spawn_info("h2:2"):
+            info.Set(key, value)
+        inter = comm.Spawn(sys.executable, sys.argv, maxprocs=1, info=info)
+    """
+    env = os.environ if env is None else env
+    items = [("host", host)] if host else []
+    items.append(("PMIX_MAPBY", "slot:OVERSUBSCRIBE"))
+    names = sorted((not k.startswith("TF_MPI_ELASTIC"), k) for k, v in env.items()
+                   if k.startswith("TF_MPI_") and "\n" not in v)
+    settings = []
+    for _, name in names:
+        candidate = "\n".join(settings + [f"{name}={env[name]}"])
+        if len(candidate) <= MAX_INFO_VALUE:
+            settings.append(f"{name}={env[name]}")
+        elif left_out is not None:
+            left_out.append(name)
+    if settings:
+        items.append(("PMIX_ENVAR", "\n".join(settings)))
+    return items
+
+
+MAX_INFO_VALUE = 255
+"""The longest MPI_Info value Open MPI takes (MPI_MAX_INFO_VAL 256, with the terminating NUL)."""
+
+
+def read_marks(status_dir, printed=()):
+    """The marks ranks left (files in ``status_dir`` plus the printed ones), one per host and pid."""
+    marks = {}
+    for record in printed:
+        marks[(record.get("host"), record.get("pid"))] = record
+    try:
+        names = os.listdir(status_dir)
+    except OSError:
+        names = []
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(status_dir, name)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            marks[(record.get("host"), record.get("pid"))] = record
+    return list(marks.values())
+
+
+def final_group_done(marks):
+    """True when the marks hold every rank 0..size-1 of one group size (all ``ok``)."""
+    by_size = {}
+    for m in marks:
+        if m.get("ok") and isinstance(m.get("size"), int) and isinstance(m.get("rank"), int):
+            by_size.setdefault(m["size"], set()).add(m["rank"])
+    return any(ranks >= set(range(size)) for size, ranks in by_size.items())
+
+
+def elastic_verdict(marks, min_np, mpirun_rc):
+    """(exit status, one-line reason) of an elastic job from the ranks' marks (the exit contract
+    of the module docstring)."""
+    failed = [m for m in marks if not m.get("ok")]
+    done = [m for m in marks if m.get("ok")]
+    if failed:
+        where = ", ".join(f"{m.get('host')} pid {m.get('pid')}" for m in failed[:4])
+        return 1, f"{len(failed)} rank(s) marked a failure ({where})"
+    if len(done) >= min_np:
+        return 0, f"{len(done)} rank(s) finished (min-np {min_np})"
+    if not marks and mpirun_rc:
+        status = mpirun_rc if 0 < mpirun_rc < 256 else 1
+        return status, f"no rank marked itself finished; mpirun exited with {mpirun_rc}"
+    return 1, f"only {len(done)} rank(s) marked themselves finished, fewer than min-np {min_np}"
+
+
+def run_elastic(argv, env, min_np, status_dir, grace_s=None):
+    """Runs an elastic job's mpirun ``argv`` and returns the exit status the marks give
+    (:func:`elastic_verdict`), passing mpirun's output through (less printed marks)."""
+    grace_s = float(env.get("TF_MPI_ELASTIC_EXIT_GRACE_S", ELASTIC_EXIT_GRACE_S) if grace_s is None else grace_s)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    printed = []
+    lost = threading.Event()
+
+    def pass_lines(source, sink):
+        for line in iter(source.readline, b""):
+            if line.startswith(ELASTIC_MARK_PREFIX.encode()):
+                try:
+                    printed.append(json.loads(line[len(ELASTIC_MARK_PREFIX):]))
+                    continue
+                except ValueError:
+                    pass
+            if any(m in line for m in LOST_HOST_MESSAGES):
+                lost.set()
+            sink.write(line)
+            sink.flush()
+
+    def pass_chunks(source, sink):
+        tail = b""
+        for chunk in iter(lambda: os.read(source.fileno(), 1 << 16), b""):
+            sink.write(chunk)
+            sink.flush()
+            window = tail + chunk
+            if any(m in window for m in LOST_HOST_MESSAGES):
+                lost.set()
+            tail = window[-256:]
+
+    pumps = [threading.Thread(target=pass_lines, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+             threading.Thread(target=pass_chunks, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
+    for t in pumps:
+        t.start()
+    done_since, ended_by_us = None, False
+    try:
+        while proc.poll() is None:
+            time.sleep(0.2)
+            if done_since is None and final_group_done(read_marks(status_dir, printed)):
+                done_since = time.time()
+            if done_since is not None and time.time() - done_since > grace_s and not ended_by_us:
+                sys.stderr.write(f"tf_mpi.run: every rank of the final group marked itself finished "
+                                 f"{grace_s:.0f} s ago and mpirun still runs: ending it\n")
+                ended_by_us = True
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        rc = proc.wait()
+    except KeyboardInterrupt:   # mpirun got the same SIGINT (one process group): let it end the job
+        rc = proc.wait()
+    for t in pumps:
+        t.join(5)
+    status, why = elastic_verdict(read_marks(status_dir, printed), min_np, rc)
+    if lost.is_set():
+        why += "; mpirun lost a host, which ends an Open MPI job (see its message above)"
+    sys.stderr.write(f"tf_mpi.run: elastic job: {why} (mpirun exited with {rc}); exit status {status}\n")
+    return status
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        elastic, argv = split_elastic_args(argv)
+        if elastic is not None:
+            return _main_elastic(elastic, argv)
         np, options, program = split_args(argv)
     except ValueError as e:
         sys.stderr.write(f"tf_mpi.run: {e}\nusage: python -m tf_mpi.run -np N [mpirun options] "
-                         "[--] program [args...]\n")
+                         "[--] program [args...]\n"
+                         "       python -m tf_mpi.run [-np N] --min-np N [--max-np N] "
+                         "[--host-discovery-script PATH] [--slots N] [mpirun options] [--] program [args...]\n")
         return 2
     cmd, env = launch(np, options, program)
     if is_single_host(options, env):
         return subprocess.call(cmd, env=env)
     return run_reporting_lost_hosts(cmd, env)
+
+
+def _main_elastic(settings, argv):
+    np, options, program = split_args(argv, require_np=False)
+    status_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_")
+    try:
+        try:
+            cmd, env, _ = elastic_launch(np, options, program, settings, status_dir=status_dir)
+        except RuntimeError as e:
+            sys.stderr.write(f"tf_mpi.run: {e}\n")
+            return 2
+        return run_elastic(cmd, env, int(env["TF_MPI_ELASTIC_MIN_NP"]), status_dir)
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

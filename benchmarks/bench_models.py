@@ -35,13 +35,19 @@ class ModelSpec:
     make_inputs: (rng, n) -> (x, y) numpy arrays of n synthetic samples.
     timed_steps: default number of timed steps per repeat.
     description: one line for tables and reports.
+    warmup, repeats: default untimed steps and timed windows (None: the command line's defaults).
+    user: trained with a new user's settings: DistributedOptimizer with every tf_mpi default
+      (sparse gradients allgathered, as in Horovod), instead of the benchmark's tuned choices.
     """
     name: str
     build: Callable[[], keras.Model]
-    loss: str
+    loss: object  # a Keras loss name or loss object, for model.compile
     make_inputs: Callable[[np.random.Generator, int], tuple]
     timed_steps: int
     description: str
+    warmup: int = None
+    repeats: int = None
+    user: bool = False
 
 
 # ----------------------------------------------------------------------------- lstm
@@ -74,6 +80,16 @@ def build_mlp():
     x = keras.layers.Dense(MLP_HIDDEN, activation="relu")(x)
     outputs = keras.layers.Dense(MLP_CLASSES, activation="softmax", dtype="float32")(x)
     return keras.Model(inputs, outputs, name="mlp")
+
+
+def build_mlp_logits():
+    """784-512-512-10 MLP whose last layer gives logits (no softmax): a new user's MNIST MLP,
+    trained with SparseCategoricalCrossentropy(from_logits=True)."""
+    inputs = keras.Input((MLP_INPUT,))
+    x = keras.layers.Dense(MLP_HIDDEN, activation="relu")(inputs)
+    x = keras.layers.Dense(MLP_HIDDEN, activation="relu")(x)
+    outputs = keras.layers.Dense(MLP_CLASSES, dtype="float32")(x)
+    return keras.Model(inputs, outputs, name="mlp_user")
 
 
 def build_tiny():
@@ -147,6 +163,15 @@ MODELS = {spec.name: spec for spec in [
     ModelSpec("tiny", build_tiny, "sparse_categorical_crossentropy",
               classification_inputs((TINY_INPUT,), MLP_CLASSES), timed_steps=200,
               description="32-16-10 MLP: per-step framework overhead"),
+    # The two configurations a new user writes: every tf_mpi default (the LSTM's Embedding gradient
+    # allgathered), 15 / 100 warm-up steps, then 100 / 1000 timed steps in 4 windows.
+    ModelSpec("lstm_user", build_lstm, "binary_crossentropy", lstm_inputs, timed_steps=25,
+              description="the LSTM, tf_mpi defaults (sparse allgather), 100 steps after 15", warmup=15,
+              repeats=4, user=True),
+    ModelSpec("mlp_user", build_mlp_logits, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              classification_inputs((MLP_INPUT,), MLP_CLASSES), timed_steps=250,
+              description="784-512-512-10 MLP, logits, tf_mpi defaults, 1000 steps after 100", warmup=100,
+              repeats=4, user=True),
 ]}
 
 # Distinct synthetic batches per process; the dataset cycles through them, so

@@ -19,6 +19,16 @@ one after the other, or longer. The compute kernel is TensorFlow matmuls on
 the default device with the process's own thread pools, i.e. what backprop
 gets. ``TF_MPI_OVERLAP`` (a number in [0, 1]) skips the probe.
 
+Where the answer is known without measuring, the default probe is skipped: on a
+CPU-only node with at most one core per rank (``cores_per_rank``), backprop
+keeps every core busy and the engine's communication is CPU work on those same
+cores, so the overlap is 0. The measurement agrees on a quiet machine (0.00 with
+2 ranks on 2 cores), but on one busy with other work its fastest-of-5 rounds of
+three noisy timings read well above 0 in some launches, and the plan then cut
+the benchmark MLP's one gradient group into three (three negotiations and
+hand-offs per step instead of one, for no overlap) or the LSTM's into two, a
+different plan from launch to launch. Rank 0's node decides for every rank.
+
 Not measured here: a GPU (none on the development machine). There the kernel
 runs on the GPU and the probe's allreduce moves host memory, so the figure
 says how much the CPU side of communication disturbs GPU compute, not how a
@@ -77,6 +87,24 @@ def tf_matmul_kernel(n=256):
     return compute
 
 
+def cores_per_rank():
+    """CPU cores this rank can count on: those it may run on (its affinity), at most the node's
+    cores shared out among the node's ranks. Example: 1 with 2 ranks on a 2-core machine."""
+    from tf_mpi.basics import _core
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = os.cpu_count() or 1
+    return min(mine, (os.cpu_count() or 1) / max(_core.local_size(), 1))
+
+
+def shares_cores_with_backprop():
+    """Whether computation here is CPU work with no core to spare for communication: no GPU
+    visible to TensorFlow and at most one core per rank (cores_per_rank)."""
+    import tensorflow as tf
+    return not tf.config.list_physical_devices("GPU") and cores_per_rank() <= 1
+
+
 def _median_time(fn, sync, repeats):
     samples = []
     for _ in range(repeats):
@@ -97,7 +125,8 @@ def measure_overlap(compute=None, nbytes=PROBE_BYTES, rounds=5):
         together; each one's fastest round is used.
 
     Returns rank 0's value in [0, 1] on every rank (1.0 on one rank, or
-    TF_MPI_OVERLAP when set).
+    TF_MPI_OVERLAP when set; 0.0 without measuring when `compute` is the default and rank 0's
+    node has no core to spare, shares_cores_with_backprop).
 
     Example::
 
@@ -109,6 +138,12 @@ def measure_overlap(compute=None, nbytes=PROBE_BYTES, rounds=5):
     from tf_mpi.basics import _core, Sum
     if _core.size() == 1:
         return 1.0
+    if compute is None:
+        # The default kernel is backprop's own: where it keeps every core busy, nothing overlaps.
+        # Rank 0's answer for every rank (one small collective), so all ranks probe or none.
+        shared = np.array([1.0 if shares_cores_with_backprop() else 0.0], np.float64)
+        if _core.broadcast(shared, 0, "tfmpi.overlap.shared_cores")[0] == 1.0:
+            return 0.0
     compute = compute or tf_matmul_kernel()
     x = np.ones(nbytes // 4, np.float32)
     one = np.zeros(1, np.float32)

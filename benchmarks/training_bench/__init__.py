@@ -61,17 +61,27 @@ Run from the repository root (the driver spawns every launch itself)::
     python benchmarks/training_bench.py --driver --modes single pair tfmpi --groupings graph --shm-off \
         --rounds 5 --timeline /tmp/trace.json
 
+    # A new user's defaults (lstm_user, mlp_user: every DistributedOptimizer default, the
+    # Embedding gradient allgathered) and the 1 KiB allreduce's cost per tf.function call
+    # (a `callcost` launch per round; ~6 minutes on a quiet machine):
+    python benchmarks/training_bench.py --driver --models lstm_user mlp_user --modes single tfmpi \
+        --groupings graph --call-cost --rounds 3 --json user.json
+
     # Plot a saved result file again, or print it as the Markdown table of docs/performance.md:
     python benchmarks/training_bench.py --plot train.png --results train.json
     python benchmarks/training_bench.py --markdown --results train.json
 
-One launch by hand (what the driver runs; the reporting process prints ``RESULT {json}``)::
+One launch by hand (what the driver runs; the reporting process prints ``RESULT {json}``;
+``--mode adamcost`` is one process timing Keras' Adam update of the LSTM's Embedding from one
+rank's rows, two ranks' allgathered rows and a dense gradient)::
 
     python benchmarks/training_bench.py --mode single --model mlp
     python -m tf_mpi.run -np 2 python benchmarks/training_bench.py --mode tfmpi --grouping one --model mlp
     TF_MPI_FUSION_THRESHOLD=0 python -m tf_mpi.run -np 2 python benchmarks/training_bench.py \\
         --mode tfmpi --grouping per-tensor --model mlp
     python -m tf_mpi.run -np 2 python benchmarks/training_bench.py --mode tfmpi --model lstm --compression fp16
+    python -m tf_mpi.run -np 2 python benchmarks/training_bench.py --mode callcost
+    python benchmarks/training_bench.py --mode adamcost
     TF_CONFIG='{"cluster": {"worker": ["localhost:PORT0", "localhost:PORT1"]}, "task": {"type": "worker", "index": I}}' \\
         python benchmarks/training_bench.py --mode mwms --model mlp     # twice, I = 0 and 1
 
@@ -113,11 +123,16 @@ DISTRIBUTED_PROCESSES = 2
 LEARNING_RATE = 1e-3
 PRECISIONS = ["float32", "mixed_float16"]
 MODES = ["single", "pair", "tfmpi", "mwms"]
+# Not a training mode: the 1 KiB allreduce's cost per tf.function call (driver: --call-cost).
+CALL_COST_MODE = "callcost"
 GROUPING_NAMES = ["graph", "one", "per-tensor"]
-MODEL_NAMES = ["lstm", "mlp", "cnn", "tiny"]  # = bench_models.MODELS; kept here so the driver need not import TF
+MODEL_NAMES = ["lstm", "mlp", "cnn", "tiny", "lstm_user", "mlp_user"]  # = bench_models.MODELS; kept here so the
+# driver need not import TF. The *_user models are trained with every tf_mpi default (ModelSpec.user).
+USER_MODELS = ["lstm_user", "mlp_user"]
 # Models with an IndexedSlices gradient (an Embedding's), for which tf_mpi can
 # densify it before an allreduce (the default here) or allgather it.
-SPARSE_GRADIENT_MODELS = ["lstm"]
-# How an IndexedSlices gradient travels: DistributedOptimizer(sparse=...) (tf_mpi.sparse).
-SPARSE_NAMES = ["dense", "allgather", "dedup", "auto"]
+SPARSE_GRADIENT_MODELS = ["lstm", "lstm_user"]
+# How an IndexedSlices gradient travels: DistributedOptimizer(sparse=...) (tf_mpi.sparse);
+# "default" passes no sparse= (tf_mpi.sparse.DEFAULT_MODE), what the *_user models get.
+SPARSE_NAMES = ["dense", "allgather", "dedup", "auto", "default"]
 RESULT_PREFIX = "RESULT "

@@ -4,7 +4,7 @@ import argparse
 import json
 
 import training_bench
-from training_bench import GROUPING_NAMES, MODEL_NAMES, MODES, PRECISIONS, SPARSE_NAMES
+from training_bench import CALL_COST_MODE, GROUPING_NAMES, MODEL_NAMES, MODES, PRECISIONS, SPARSE_NAMES
 from training_bench.driver import run_driver
 from training_bench.plot import plot_efficiency
 from training_bench.report import format_markdown
@@ -17,7 +17,10 @@ def parse_args():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     role = p.add_argument_group("role")
     role.add_argument("--driver", action="store_true", help="run all selected launches and report")
-    role.add_argument("--mode", choices=MODES, help="worker role: train one configuration (what a launch runs)")
+    role.add_argument("--mode", choices=MODES + [CALL_COST_MODE, "adamcost"],
+                      help="worker role: train one configuration (what a launch runs); callcost: the 1 KiB "
+                           "allreduce's cost per tf.function call (under mpirun -np 2); adamcost: Keras' Adam "
+                           "update of the LSTM's Embedding from one rank's rows, two ranks' rows, or dense")
     sel = p.add_argument_group("what to run")
     sel.add_argument("--model", choices=MODEL_NAMES, default="mlp", help="worker: the model")
     sel.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=MODEL_NAMES[:3],
@@ -28,21 +31,27 @@ def parse_args():
                      help="driver: the tfmpi groupings")
     sel.add_argument("--compression", choices=["none", "fp16"], default="none",
                      help="worker, tfmpi: gradients on the wire (fp16 halves the bytes; not bit-equal to float32)")
-    sel.add_argument("--sparse", nargs="+", choices=SPARSE_NAMES + ["both"], default=["dense"],
+    sel.add_argument("--sparse", nargs="+", choices=SPARSE_NAMES + ["both"], default=None,
                      help="tfmpi: how an Embedding's IndexedSlices gradient travels (DistributedOptimizer(sparse=)): "
-                          "densified and allreduced, allgathered, deduplicated, or chosen by cost. A worker takes "
-                          "one; the driver runs the groupings with the first and adds a `tfmpi graph <mode>` "
-                          "launch for each other one ('both' = dense allgather)")
+                          "densified and allreduced, allgathered, deduplicated, chosen by cost, or tf_mpi's default "
+                          "(no sparse=). A worker takes one; the driver runs the groupings with the first and adds "
+                          "a `tfmpi graph <mode>` launch for each other one ('both' = dense allgather). Default: "
+                          "dense, except for the *_user models (default)")
+    sel.add_argument("--call-cost", action="store_true",
+                     help="driver: also one `callcost` launch per round: a tf.function with one 1 KiB float32 "
+                          "allreduce against the same tf.function with tf.identity in its place, at np=2")
     sel.add_argument("--shm-off", action="store_true",
                      help="driver: also run every model's `tfmpi graph` launch (and --timeline launch) with "
                           "TF_MPI_SHM=0, so shared memory on (the default) and off are compared in the same run")
     sel.add_argument("--precision", choices=PRECISIONS + ["both"], default="float32",
                      help="Keras dtype policy ('both': driver only)")
     timing = p.add_argument_group("timing")
-    timing.add_argument("--warmup", type=int, default=5, help="untimed steps first (tracing, broadcast)")
+    timing.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps first (tracing, broadcast); default: per model, else 5")
     timing.add_argument("--steps", type=int, default=None,
                         help="timed steps per repeat (default: per model, see bench_models.MODELS)")
-    timing.add_argument("--repeats", type=int, default=8, help="timed windows; median and min/max over them")
+    timing.add_argument("--repeats", type=int, default=None,
+                        help="timed windows; median and min/max over them; default: per model, else 8")
     timing.add_argument("--inter-op-threads", type=int, default=1,
                         help="TensorFlow inter-op threads per process (0: TensorFlow's default)")
     timing.add_argument("--rounds", type=int, default=3,
@@ -63,12 +72,13 @@ def parse_args():
     if sum([args.driver, args.mode is not None, bool(args.results)]) != 1:
         p.error("give exactly one of --driver, --mode or --results (with --plot and/or --markdown)")
     if args.mode:
+        args.sparse = args.sparse or [None]  # None: the model's own default (worker.sparse_mode)
         if len(args.sparse) != 1 or args.sparse[0] == "both":
             p.error("a worker takes one --sparse mode (" + ", ".join(SPARSE_NAMES) + ")")
         args.sparse = args.sparse[0]
     if args.results and not (args.plot or args.markdown):
         p.error("--results needs --plot and/or --markdown")
-    if args.warmup < 1 or args.repeats < 1 or (args.steps is not None and args.steps < 1):
+    if any(v is not None and v < 1 for v in (args.warmup, args.repeats, args.steps)):
         p.error("--warmup, --repeats and --steps must be >= 1")  # warm-up >= 1: the first step traces
     return args
 

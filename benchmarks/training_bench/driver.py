@@ -13,8 +13,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from training_bench import (BATCH_PER_PROCESS, DISTRIBUTED_PROCESSES, GROUPING_NAMES, MODES, PRECISIONS, REPO_ROOT,
-                            RESULT_PREFIX, SCRIPT, SPARSE_GRADIENT_MODELS)
+from training_bench import (BATCH_PER_PROCESS, CALL_COST_MODE, DISTRIBUTED_PROCESSES, GROUPING_NAMES, MODES,
+                            PRECISIONS, REPO_ROOT, RESULT_PREFIX, SCRIPT, SPARSE_GRADIENT_MODELS, USER_MODELS)
 from training_bench.plot import plot_efficiency
 from training_bench.report import format_table, progress_line
 from training_bench.stats import add_efficiencies, summarize_rounds
@@ -35,7 +35,7 @@ class Variant:
     @property
     def label(self):
         """'single', 'tfmpi graph', ..., 'mwms', 'tfmpi graph allgather', 'tfmpi graph shm=0 +timeline'."""
-        words = [self.mode, self.grouping, None if self.sparse == "dense" else self.sparse,
+        words = [self.mode, self.grouping, None if self.sparse in ("dense", "default") else self.sparse,
                  "shm=0" if self.shm_off else None, "+timeline" if self.timeline else None]
         return " ".join(w for w in words if w)
 
@@ -57,22 +57,23 @@ def sparse_modes(sparse):
 
 def selected_variants(modes, groupings, sparse, model, shm_off=False):
     """The variants to run for `model`, baseline first (efficiencies need it). Every
-    tfmpi grouping reduces sparse gradients the first --sparse way; models that have
-    one also run `tfmpi graph <mode>` for every other --sparse mode; shm_off adds
-    `tfmpi graph shm=0`."""
-    sparse = sparse_modes(sparse)
+    tfmpi grouping reduces sparse gradients the first --sparse way (none given: dense, or
+    tf_mpi's default for the *_user models); models that have one also run
+    `tfmpi graph <mode>` for every other --sparse mode; shm_off adds `tfmpi graph shm=0`."""
+    sparse = sparse_modes(sparse or ["default" if model in USER_MODELS else "dense"])
     has_sparse = model in SPARSE_GRADIENT_MODELS
+    no_sparse = "default" if model in USER_MODELS else "dense"  # what a model without sparse gradients passes
     variants = []
     for mode in MODES:
         if mode not in modes:
             continue
         if mode == "tfmpi":
-            variants += [Variant("tfmpi", g, sparse=sparse[0] if has_sparse else "dense")
+            variants += [Variant("tfmpi", g, sparse=sparse[0] if has_sparse else no_sparse)
                          for g in GROUPING_NAMES if g in groupings]
             if has_sparse:
                 variants += [Variant("tfmpi", "graph", sparse=m) for m in sparse[1:]]
             if shm_off:
-                variants.append(Variant("tfmpi", "graph", sparse=sparse[0] if has_sparse else "dense",
+                variants.append(Variant("tfmpi", "graph", sparse=sparse[0] if has_sparse else no_sparse,
                                         shm_off=True))
         else:
             variants.append(Variant(mode))
@@ -81,9 +82,15 @@ def selected_variants(modes, groupings, sparse, model, shm_off=False):
 
 def worker_args(variant, model, precision, args):
     """Command-line arguments of this script's worker role for one launch."""
-    argv = [SCRIPT, "--mode", variant.mode, "--model", model, "--precision", precision,
-            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--seed", str(args.seed),
+    if variant.mode == CALL_COST_MODE:  # no model: one tf.function with or without a 1 KiB allreduce
+        return [SCRIPT, "--mode", variant.mode, "--inter-op-threads", str(args.inter_op_threads)] + (
+            ["--repeats", str(max(args.repeats, 5))] if args.repeats else [])
+    argv = [SCRIPT, "--mode", variant.mode, "--model", model, "--precision", precision, "--seed", str(args.seed),
             "--inter-op-threads", str(args.inter_op_threads)]
+    if args.warmup:
+        argv += ["--warmup", str(args.warmup)]
+    if args.repeats:
+        argv += ["--repeats", str(args.repeats)]
     if args.steps:
         argv += ["--steps", str(args.steps)]
     if variant.grouping:
@@ -138,6 +145,9 @@ def launch_commands(variant, model, precision, args):
         return [([sys.executable] + script, env)], None
     if variant.mode == "pair":
         return [([sys.executable] + script, env)] * DISTRIBUTED_PROCESSES, None
+    if variant.mode == CALL_COST_MODE:
+        launcher = tf_mpi_launcher()
+        return [(launcher.mpirun_command(DISTRIBUTED_PROCESSES, [sys.executable] + script), launcher.mpirun_env(env))], None
     if variant.mode == "tfmpi":
         env.update(GROUPING_ENV[variant.grouping])
         if variant.shm_off:
@@ -317,6 +327,10 @@ def run_driver(args):
     precisions = PRECISIONS if args.precision == "both" else [args.precision]
     launches = [(r, p, m, v) for r in range(args.rounds) for p in precisions for m in args.models
                 for v in rotated(selected_variants(args.modes, args.groupings, args.sparse, m, args.shm_off), r)]
+    if args.call_cost:
+        # One launch per round, after the round's training launches.
+        launches = [x for r in range(args.rounds) for x in [l for l in launches if l[0] == r]
+                    + [(r, "float32", "allreduce_1kib", Variant(CALL_COST_MODE))]]
     if args.timeline:
         # Writing the trace costs rank 0 time, so it is a launch of its own
         # (once per model), kept out of the throughput comparison.

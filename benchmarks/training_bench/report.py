@@ -14,12 +14,12 @@ def progress_line(k, total, entry):
 
 def format_table(summary):
     """The summary (see summarize_rounds) as a fixed-width text table."""
-    header = (f"{'model':<6}{'precision':<15}{'mode':<28}{'samples/s median [min-max]':>30}"
+    header = (f"{'model':<15}{'precision':<15}{'mode':<28}{'samples/s median [min-max]':>30}"
               f"{'step ms':>9}{'efficiency [min-max]':>24}{'of pair':>9}  notes")
     lines = [header, "-" * len(header)]
     for e in summary:
         if e["status"] != "ok":
-            lines.append(f"{e['model']:<6}{e['precision']:<15}{e['label']:<28}{'unavailable':>30}{'':>9}{'':>24}"
+            lines.append(f"{e['model']:<15}{e['precision']:<15}{e['label']:<28}{'unavailable':>30}{'':>9}{'':>24}"
                          f"{'':>9}  {e['error'][:100]}")
             continue
         rate = f"{e['samples_per_sec']:.1f} [{e['samples_per_sec_min']:.1f}-{e['samples_per_sec_max']:.1f}]"
@@ -32,6 +32,15 @@ def format_table(summary):
         steal = e.get("cpu_steal_share")
         if isinstance(steal, dict) and steal["max"] >= 0.02:
             notes.append(f"CPU steal up to {steal['max']:.0%}")
+        if "cost_us" in e:
+            s = e["cost_us_spread"]
+            notes.append(f"1 KiB allreduce: {e['cost_us']:+.1f} us per tf.function call [{s['min']:+.1f}, "
+                         f"{s['max']:+.1f}] (tf.identity call {e['identity_call_us']:.0f} us)")
+        per_step = e.get("engine_per_step")
+        if per_step:
+            notes.append(f"rank 0 per step: {per_step['requests']:g} collectives, "
+                         f"{per_step['negotiation_msgs_sent'] + per_step['negotiation_msgs_received']:g} "
+                         "negotiation messages")
         groups = e.get("groups")
         if groups is not None:
             notes.append(f"{groups} group{'' if groups == 1 else 's'}")
@@ -39,7 +48,7 @@ def format_table(summary):
         if "overlap_share" in analysis:
             notes.append(f"overlap {analysis['overlap_share']:.0%}, tail {analysis['tail_ms']:.1f} ms "
                          f"({analysis['tail_share']:.1%})")
-        lines.append(f"{e['model']:<6}{e['precision']:<15}{e['label']:<28}{rate:>30}{e['step_ms']:>9.1f}"
+        lines.append(f"{e['model']:<15}{e['precision']:<15}{e['label']:<28}{rate:>30}{e['step_ms']:>9.1f}"
                      f"{efficiency:>24}{of_pair:>9}  {', '.join(notes)}")
     return "\n".join(lines)
 

@@ -61,7 +61,8 @@ def summarize_rounds(results):
         steals = [e["cpu_steal_share"] for e in ok if e.get("cpu_steal_share") is not None]
         if steals:
             entry["cpu_steal_share"] = spread(steals)
-        for metric in ("efficiency", "of_pair"):
+        # cost_us: a callcost launch's 1 KiB allreduce cost per tf.function call (median of its samples).
+        for metric in ("efficiency", "of_pair", "cost_us"):
             values = [e[metric] for e in ok if metric in e]
             if values:
                 entry[metric] = statistics.median(values)

@@ -7,7 +7,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from training_bench import BATCH_PER_PROCESS, LEARNING_RATE, RESULT_PREFIX
+from training_bench import BATCH_PER_PROCESS, CALL_COST_MODE, LEARNING_RATE, RESULT_PREFIX
 from training_bench.stats import summarize_windows
 
 
@@ -37,6 +37,42 @@ def make_step_clock():
             self.stamps.append(time.perf_counter())
 
     return StepClock()
+
+
+# Engine counters (tf_mpi._core.stats()) reported per timed step: what one step asks of the engine.
+ENGINE_COUNTERS = ("requests", "negotiation_msgs_sent", "negotiation_msgs_received", "inline_batches",
+                   "allreduce_buckets", "shm_allreduces", "payload_bytes_allreduce", "payload_bytes_allgather")
+
+
+def make_engine_counter(warmup):
+    """A Keras callback reading this rank's engine counters after the last warm-up step and at the
+    end of training; per_step() gives their increase per timed step (collectives, negotiation
+    messages and payload bytes per step, independent of the machine's speed)."""
+    import keras
+    from tf_mpi.basics import _core
+
+    class EngineCounter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.first = self.last = None
+            self.steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch + 1 == warmup:
+                self.first = _core.stats()
+            elif batch + 1 > warmup:
+                self.steps += 1
+
+        def on_train_end(self, logs=None):
+            self.last = _core.stats()
+
+        def per_step(self):
+            if self.first is None or self.last is None or not self.steps:
+                return None
+            return {k: round((self.last[k] - self.first[k]) / self.steps, 3) for k in ENGINE_COUNTERS
+                    if k in self.first}
+
+    return EngineCounter()
 
 
 def window_seconds(stamps, warmup, steps, repeats):
@@ -89,6 +125,11 @@ def grouping_options(grouping, model):
     raise ValueError(f"unknown grouping {grouping!r}")
 
 
+def sparse_mode(args, spec):
+    """The --sparse of a worker: given, or the model's default (tf_mpi's own for *_user models, else dense)."""
+    return args.sparse or ("default" if spec.user else "dense")
+
+
 def setup_tfmpi(args, spec, tf, keras):
     """tf_mpi data parallelism: DistributedOptimizer + BroadcastGlobalVariablesCallback(0), one rank per process."""
     import bench_models
@@ -99,9 +140,15 @@ def setup_tfmpi(args, spec, tf, keras):
     # and densifying 64x100 rows on each rank before a 10 MiB allreduce is cheaper than
     # densifying the 2x64x100 allgathered rows after it (docs/performance.md);
     # docs/sparse-gradients.md compares it with "dedup" and "auto".
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(LEARNING_RATE), sparse=args.sparse,
-                                         compression=getattr(hvd.Compression, args.compression),
-                                         **grouping_options(args.grouping, model))
+    # The *_user models give DistributedOptimizer only what a new user would (sparse "default":
+    # no sparse=; no compression, grouping graph: no arguments at all).
+    sparse = sparse_mode(args, spec)
+    options = dict(grouping_options(args.grouping, model))
+    if sparse != "default":
+        options["sparse"] = sparse
+    if args.compression != "none":
+        options["compression"] = getattr(hvd.Compression, args.compression)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(LEARNING_RATE), **options)
     compile_model(model, spec, optimizer)
     dataset = bench_models.synthetic_dataset(spec, BATCH_PER_PROCESS, seed=args.seed + hvd.rank())
 
@@ -115,12 +162,18 @@ def setup_tfmpi(args, spec, tf, keras):
                 "group_bytes": [g.nbytes for g in plan.groups] if plan else None,
                 "overlap": plan.cost_model.overlap if plan and plan.cost_model else None}
 
+    counter = make_engine_counter(args.warmup_steps)
+
+    def after_fit():
+        return {**plan_facts(), "engine_per_step": counter.per_step()}
+
     env_seen = {k: os.environ.get(k) for k in ("TF_MPI_FUSION_THRESHOLD", "TF_MPI_TIMELINE", "TF_MPI_OVERLAP")}
-    return Setup(model, dataset, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], processes=hvd.size(),
+    return Setup(model, dataset, [hvd.callbacks.BroadcastGlobalVariablesCallback(0), counter],
+                 processes=hvd.size(),
                  reports=hvd.rank() == 0,
-                 extra={"grouping": args.grouping, "sparse": args.sparse, "compression": args.compression,
+                 extra={"grouping": args.grouping, "sparse": sparse, "compression": args.compression,
                         "env": env_seen},
-                 after_fit=plan_facts)
+                 after_fit=after_fit)
 
 
 def patch_keras_for_multi_worker(model, strategy):
@@ -196,8 +249,105 @@ def setup_mwms(args, spec, tf, keras):
 MODE_SETUPS = {"single": setup_single, "pair": setup_single, "tfmpi": setup_tfmpi, "mwms": setup_mwms}
 
 
+def run_call_cost(args):
+    """Worker role of --mode callcost (under mpirun -np 2): what one 1 KiB float32 allreduce adds to a
+    tf.function call. Two tf.functions of the same 256-element input, one returning its allreduce
+    (Sum), the other tf.identity of it: TensorFlow's own per-call cost. Samples alternate between
+    the two (each: a barrier, then CALLS back-to-back calls timed on every rank, the slowest rank's
+    time), so both see the same machine; the result is the median of each and the median of the
+    per-pair differences, in microseconds per call."""
+    import numpy as np
+    tf = init_tensorflow_one_thread(args.inter_op_threads)
+    import tf_mpi as hvd
+    hvd.init()
+    calls, samples = 200, max(5, args.repeats or 41)
+
+    @tf.function
+    def with_allreduce(x):
+        return hvd.allreduce(x, op=hvd.Sum, name="callcost.1kib")
+
+    @tf.function
+    def without(x):
+        return tf.identity(x)
+
+    x = tf.ones([256], tf.float32)  # 1 KiB
+    expected = np.full(256, hvd.size(), np.float32)
+    if not np.array_equal(with_allreduce(x).numpy(), expected):
+        raise RuntimeError("callcost: the allreduce gave wrong sums")
+    from tf_mpi.basics import _core
+
+    def per_call_us(fn):
+        hvd.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        local = np.array([(time.perf_counter() - start) / calls * 1e6])
+        return float(_core.allreduce(local, hvd.Max, "callcost.slowest")[0])
+
+    for fn in (with_allreduce, without):  # warm-up (tracing, caches)
+        per_call_us(fn)
+    pairs = [(per_call_us(with_allreduce), per_call_us(without)) for _ in range(samples)]
+    result = {"mode": CALL_COST_MODE, "model": "allreduce_1kib", "precision": "float32", "processes": hvd.size(),
+              "calls_per_sample": calls, "samples": samples,
+              "allreduce_call_us": statistics.median(a for a, _ in pairs),
+              "identity_call_us": statistics.median(b for _, b in pairs),
+              "cost_us": statistics.median(a - b for a, b in pairs),
+              "cost_us_min": min(a - b for a, b in pairs), "cost_us_max": max(a - b for a, b in pairs),
+              "engine_stats": {k: v for k, v in _core.stats().items() if k in ("inline_batches", "requests")},
+              }
+    result["samples_per_sec"] = 1e6 / result["allreduce_call_us"]  # calls/s, so the driver's tables have a rate
+    result["samples_per_sec_min"] = result["samples_per_sec_max"] = result["samples_per_sec"]
+    result["step_ms"] = result["allreduce_call_us"] / 1e3
+    if hvd.rank() == 0:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_adam_cost(args):
+    """Worker role of --mode adamcost (one process, no tf_mpi): what Keras 3's Adam costs to update
+    the LSTM's 20000x128 Embedding table from an IndexedSlices gradient of one rank's rows (64 x 100
+    = 6,400, what one process sees), of two ranks' rows allgathered (12,800, what every rank sees
+    with sparse="allgather"), and from a dense gradient (sparse="dense"). Medians of 5 x 20 updates
+    inside a tf.function, in CPU milliseconds of the process (time.process_time) and wall ms."""
+    import numpy as np
+    tf = init_tensorflow_one_thread(args.inter_op_threads)
+    import keras
+    import bench_models
+    rows, width = bench_models.LSTM_VOCAB, bench_models.LSTM_EMBEDDING
+    table = keras.Variable(np.zeros((rows, width), np.float32))
+    optimizer = keras.optimizers.Adam(LEARNING_RATE)
+    optimizer.build([table])
+    rng = np.random.default_rng(args.seed)
+    per_rank = BATCH_PER_PROCESS * bench_models.LSTM_SEQ_LEN
+
+    def slices(n):
+        return tf.IndexedSlices(tf.constant(rng.random((n, width), dtype=np.float32)),
+                                tf.constant(rng.integers(1, rows, n).astype(np.int32)), tf.constant([rows, width]))
+
+    gradients = {"one_rank_rows": slices(per_rank), "two_ranks_rows": slices(2 * per_rank)}
+    gradients["dense"] = tf.convert_to_tensor(gradients["one_rank_rows"])
+    updates = {name: tf.function(lambda g: optimizer.apply([g], [table])) for name in gradients}
+    for name, g in gradients.items():
+        updates[name](g)  # traces
+    samples = {name: [] for name in gradients}
+    for _ in range(5):
+        for name, g in gradients.items():
+            cpu, wall = time.process_time(), time.perf_counter()
+            for _ in range(20):
+                updates[name](g)
+            samples[name].append(((time.process_time() - cpu) / 20 * 1e3, (time.perf_counter() - wall) / 20 * 1e3))
+    result = {"mode": "adamcost", "rows_per_rank": per_rank, "table": [rows, width]}
+    for name, pairs in samples.items():
+        result[name + "_cpu_ms"] = statistics.median(c for c, _ in pairs)
+        result[name + "_wall_ms"] = statistics.median(w for _, w in pairs)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
 def run_worker(args):
     """Worker role: trains one configuration and prints RESULT {json} on the reporting process."""
+    if args.mode == CALL_COST_MODE:
+        return run_call_cost(args)
+    if args.mode == "adamcost":
+        return run_adam_cost(args)
     began = time.time()
     tf = init_tensorflow_one_thread(args.inter_op_threads)
     import keras
@@ -206,17 +356,19 @@ def run_worker(args):
     keras.utils.set_random_seed(args.seed)
     spec = bench_models.MODELS[args.model]
     steps = args.steps or spec.timed_steps
+    warmup = args.warmup_steps = args.warmup or spec.warmup or 5
+    repeats = args.repeats or spec.repeats or 8
     setup = MODE_SETUPS[args.mode](args, spec, tf, keras)
     clock = make_step_clock()
-    total_steps = args.warmup + steps * args.repeats
+    total_steps = warmup + steps * repeats
     setup.model.fit(setup.dataset, steps_per_epoch=total_steps, epochs=1, verbose=0, shuffle=False,
                     callbacks=setup.callbacks + [clock])
-    seconds = window_seconds(clock.stamps, args.warmup, steps, args.repeats)
+    seconds = window_seconds(clock.stamps, warmup, steps, repeats)
     global_batch = BATCH_PER_PROCESS * setup.processes
     result = {"model": args.model, "precision": args.precision, "mode": args.mode,
               "grouping": args.grouping if args.mode == "tfmpi" else None,
               "processes": setup.processes, "batch_per_process": BATCH_PER_PROCESS, "global_batch": global_batch,
-              "warmup": args.warmup, "steps": steps, "repeats": args.repeats,
+              "warmup": warmup, "steps": steps, "repeats": repeats,
               "parameters": bench_models.count_parameters(setup.model),
               **summarize_windows(seconds, steps * global_batch),
               "step_ms": 1000 * statistics.median(seconds) / steps,

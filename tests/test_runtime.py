@@ -2,13 +2,21 @@
 sub-communicators, shutdown/re-init, stall detection and job abort."""
 import pytest
 
-from mpi_harness import assert_check, shared_launch
+from mpi_harness import assert_check, section, sections_launch, shared_launch
 
 WORKER = "runtime_worker.py"
 STALL = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "4"}
 AUTOTUNE = {shm: {"TF_MPI_AUTOTUNE": "1", "TF_MPI_AUTOTUNE_STEPS": "1", "TF_MPI_SHM": shm} for shm in ("0", "1")}
 MERGE = {"TF_MPI_AUTOTUNE": "plan", "TF_MPI_AUTOTUNE_STEPS": "2"}
 NO_ABORT = {"TF_MPI_ABORT_ON_EXCEPTION": "0"}
+# The np=2 scenarios that end cleanly share one launch, each a section with its own settings (the
+# engine restarts in between and reads them at init). tf_mpi_first comes last: it checks that the
+# process exits without shutdown() being called.
+SECTIONS = [section("stall", WORKER, ["stall"], STALL),
+            section("autotune0", WORKER, ["autotune"], AUTOTUNE["0"]),
+            section("autotune1", WORKER, ["autotune"], AUTOTUNE["1"]),
+            section("merge", WORKER, ["merge"], MERGE),
+            section("tf_mpi_first", WORKER, ["tf_mpi_first"])]
 
 
 def launch(scenario, np=2, env=None, timeout=180, start=False):
@@ -16,13 +24,17 @@ def launch(scenario, np=2, env=None, timeout=180, start=False):
     return shared_launch(np, WORKER, timeout=timeout, env=env, args=[scenario], start=start)
 
 
-# test -> the launches it checks (scenario, np, env, timeout)
+def clean_launch(start=False):
+    return sections_launch(2, SECTIONS, timeout=420, start=start)
+
+
+# test -> the launches it checks (scenario, np, env, timeout); None: the sections launch
 LAUNCHES = {
     "test_mpi4py_initialises_first": [("mpi4py_first", 3, None, 180)],
-    "test_tf_mpi_initialises_first": [("tf_mpi_first", 2, None, 180)],
-    "test_stall_is_reported_by_name_and_then_fails": [("stall", 2, STALL, 180)],
-    "test_autotune_switches_settings_on_every_rank_at_once": [("autotune", 2, AUTOTUNE[s], 180) for s in AUTOTUNE],
-    "test_autotuned_plan_holds_allreduces_back_and_results_stay_exact": [("merge", 2, MERGE, 180)],
+    "test_tf_mpi_initialises_first": [None],
+    "test_stall_is_reported_by_name_and_then_fails": [None],
+    "test_autotune_switches_settings_on_every_rank_at_once": [None],
+    "test_autotuned_plan_holds_allreduces_back_and_results_stay_exact": [None],
     "test_uncaught_exception_aborts_the_job": [("abort", 2, None, 120)],
     "test_uncaught_exception_without_abort_still_ends_the_job": [("abort", 2, NO_ABORT, 120)],
 }
@@ -30,13 +42,27 @@ LAUNCHES = {
 
 def prefetch(items):
     for name in dict.fromkeys(item.originalname for item in items):
-        for scenario, np, env, timeout in LAUNCHES.get(name, []):
-            launch(scenario, np, env, timeout, start=True)
+        for spec in LAUNCHES.get(name, []):
+            if spec is None:
+                clean_launch(start=True)
+            else:
+                launch(*spec, start=True)
 
 
-def clean(run):
+def clean(run, whole=None):
+    """The launch (whole: the sections launch `run` is a section of) ended cleanly: rc 0, no MPI complaint."""
+    whole = whole or run
     assert not run.timed_out and run.returncode == 0, run.describe()
-    assert "exited improperly" not in run.output and "MPI_ABORT" not in run.output, run.describe()
+    assert "exited improperly" not in whole.output and "MPI_ABORT" not in whole.output, whole.describe()
+    if whole is not run:
+        run.assert_clean_exit()
+
+
+def clean_section(name):
+    whole = clean_launch()
+    run = whole.section(name)
+    clean(run, whole)
+    return run
 
 
 @pytest.mark.parametrize("check", ["check_init_with_a_list_of_ranks", "check_init_with_an_mpi4py_communicator"])
@@ -49,24 +75,21 @@ def test_mpi4py_initialises_first(check):
 @pytest.mark.parametrize("check", ["check_mpi4py_after_tf_mpi", "check_shutdown_and_init_again",
                                    "check_one_rank_shutting_down_fails_the_others_promptly"])
 def test_tf_mpi_initialises_first(check):
-    run = launch("tf_mpi_first")
-    clean(run)  # tf_mpi finalises MPI exactly once at exit, without shutdown() being called
+    run = clean_section("tf_mpi_first")  # tf_mpi finalises MPI exactly once at exit, without shutdown() called
     assert_check(run, 2, check)
 
 
 def test_stall_is_reported_by_name_and_then_fails():
-    run = launch("stall", env=STALL)
-    clean(run)
+    run = clean_section("stall")
     assert_check(run, 2, "check_stalled_collective_fails_instead_of_hanging")
     # Rank 0's stall inspector names the tensor and the missing rank before failing it.
     assert "[tf_mpi rank 0] WARNING: stalled collectives" in run.output, run.describe()
     assert "'only.rank0.submits.this' (allreduce): ready on rank 0, waiting on rank 1" in run.output, run.describe()
 
 
-def tuned_run(scenario, env, check):
-    """A clean autotuned launch whose `check` passed on both ranks and whose rank 0 logged its choice."""
-    run = launch(scenario, env=env)
-    clean(run)
+def tuned_run(name, check):
+    """A clean autotuned section whose `check` passed on both ranks and whose rank 0 logged its choice."""
+    run = clean_section(name)
     assert_check(run, 2, check)
     assert "[tf_mpi rank 0] INFO: autotune finished" in run.output, run.describe()
     return run
@@ -74,7 +97,7 @@ def tuned_run(scenario, env, check):
 
 @pytest.mark.parametrize("shm", ["0", "1"])
 def test_autotune_switches_settings_on_every_rank_at_once(shm):
-    run = tuned_run("autotune", AUTOTUNE[shm], "check_autotune_changes_settings_identically_and_results_stay_exact")
+    run = tuned_run(f"autotune{shm}", "check_autotune_changes_settings_identically_and_results_stay_exact")
     # Rank 0 logs every candidate's step time and its choice: 5 direct_bytes
     # values, 4 fusion thresholds, 3 MPI chunk sizes. Over shared memory no
     # tensor can skip a fusion buffer, so direct_bytes is left alone.
@@ -93,7 +116,7 @@ def test_autotune_switches_settings_on_every_rank_at_once(shm):
 
 
 def test_autotuned_plan_holds_allreduces_back_and_results_stay_exact():
-    run = tuned_run("merge", MERGE, "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
+    run = tuned_run("merge", "check_held_back_allreduces_stay_exact_and_the_tuner_chooses_a_plan")
     # Three allreduces per step: 4 ways to merge neighbours, each timed, then the choice.
     timed = [line for line in run.output.splitlines() if line.startswith("  groups ") and ": median step " in line]
     assert len(timed) == 4 and "chosen: " in run.output, run.describe()

@@ -9,7 +9,9 @@ is up, and rank 0 writes a marker line to stderr (where the engine logs too), so
 output can be cut into sections (mpi_harness.MpiRun.section).
 
 A section that raises (at import, or SystemExit with a non-zero code) is reported on stderr and the
-next one still runs; the launch then exits 1, so its clean-exit tests fail. Each check's result
+next one still runs; the launch then exits 1, so its clean-exit tests fail. When any section's
+worker sets TensorFlow's intra-op threads to 1, the launch does so before the first section
+(TensorFlow refuses a change once started), so the sections can run in any order. Each check's result
 stays its own: a check that breaks fails in its section's results whatever the other sections do.
 """
 import json
@@ -40,14 +42,48 @@ def _between_sections():
         from tf_mpi import basics
         if basics.is_initialized():
             basics.shutdown()
+    # What a fresh process would not have: the grouping plan's cost model measured (and cached) by an
+    # earlier section under its settings, and Keras's layer-name counters.
+    if "tf_mpi.grouping" in sys.modules:
+        sys.modules["tf_mpi.grouping"]._cost_model = None
+    if "keras" in sys.modules:
+        sys.modules["keras"].backend.clear_session()
     _world().Barrier()
     time.sleep(0.2)  # lets the launcher forward every rank's last lines before the next marker
+    _count_stats_from_here()
+
+
+# Fields of _core.stats() that are not counters (a largest value): left as they are.
+_NOT_COUNTERS = {"inline_max_batch_bytes"}
+
+
+def _count_stats_from_here():
+    """The engine's counters (_core.stats()) count since process start, and a shutdown does not reset
+    them; from here on _core.stats() gives what each counter added since this call, as it would in a
+    process that started now."""
+    core = sys.modules.get("tf_mpi._core")
+    if core is None:
+        return
+    stats = getattr(core.stats, "since_process_start", core.stats)
+    base = stats()
+
+    def since_section_start():
+        now = stats()
+        return {k: v if k in _NOT_COUNTERS else v - base.get(k, 0) for k, v in now.items()}
+    since_section_start.since_process_start = stats
+    since_section_start.__doc__ = stats.__doc__
+    core.stats = since_section_start
 
 
 def main():
     sections = json.loads(sys.argv[1])
     out = os.environ.get("TF_MPI_TEST_OUT")
     rank, failed = _rank(), []
+    # TensorFlow refuses another intra-op thread count once it has started: when a section's worker
+    # asks for 1 (most do, for repeatable timings), the whole launch runs with 1 from the start.
+    if any("set_intra_op_parallelism_threads(1)" in open(os.path.join(HERE, s["worker"])).read() for s in sections):
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
     for k, section in enumerate(sections):
         name = section["name"]
         if k:

@@ -5,11 +5,13 @@ training step; np=6 as 2x3 and then 3x2 (the worker re-initialises the engine
 in between), with the array API only so that six ranks on a small machine stay
 quick. Each launch runs every collective through the hierarchical path and the
 flat path and compares them, and checks the topology queries, the choice of
-TF_MPI_HIERARCHICAL=auto and the errors for invalid settings.
+TF_MPI_HIERARCHICAL=auto and the errors for invalid settings. The np=4 launch
+is a section of the np=4 launch that other modules' workers join
+(mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, prefetch_by_np, shared_launch
+from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np, shared_launch
 
 WORKER = "hierarchical_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
@@ -20,7 +22,12 @@ LAUNCHES = {
 }
 
 
+JOINT4 = joint_launch("np4", 4, "hierarchical", WORKER, env=LAUNCHES[4], timeout=240)
+
+
 def launch(np, start=False):
+    if np == 4:
+        return JOINT4(start=start)
     return shared_launch(np, WORKER, timeout=240, env=LAUNCHES[np], start=start)
 
 

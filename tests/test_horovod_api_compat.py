@@ -25,19 +25,18 @@ formulas, numpy or mpi4py):
   sets, a set of one rank, overlapping and disjoint sets), every collective and
   gradient within a set against mpi4py-gathered inputs, Horovod's errors.
 
-One launch per world size runs every worker that needs it, one after the other
-(tests/workers/_sections.py: each worker as if launched alone, with the engine shut down
-between them); each worker's checks keep their own results.
+Each worker is a section of the launch of its world size that other modules' workers join too
+(mpi_harness.joint_launch, tests/workers/_sections.py: each worker as if launched alone, with the
+engine shut down between them); each worker's checks keep their own results.
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, params_of, section, sections_launch
+from mpi_harness import assert_check, check_names, joint_launch
 
 # A collective that some ranks never submit fails after 30 s instead of hanging the launch; no
 # start-up overlap probe for the gradient tapes (not what is tested here).
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
-# worker -> world sizes. In a launch the workers run in this order: those that set TensorFlow's
-# intra-op threads to 1 before it starts come before api_compat_worker, which leaves the default.
+# worker -> world sizes
 WORKERS = {
     "optimizer_compat_worker.py": [2],
     "keras_callbacks_compat_worker.py": [2, 3],
@@ -49,25 +48,21 @@ WORKERS = {
 SIZES = sorted({np for sizes in WORKERS.values() for np in sizes})
 
 
-def launch(np, start=False):
-    sections = [section(worker, worker) for worker, sizes in WORKERS.items() if np in sizes]
-    return sections_launch(np, sections, timeout=600, env=ENV, start=start)
+CASES = [(worker, np) for worker, sizes in WORKERS.items() for np in sizes]
+LAUNCHES = {(worker, np): joint_launch(f"np{np}", np, worker, worker, env=ENV) for worker, np in CASES}
 
 
 def prefetch(items):
-    for np in params_of(items, "np"):
-        launch(np, start=True)
-
-
-CASES = [(worker, np) for worker, sizes in WORKERS.items() for np in sizes]
+    for case in dict.fromkeys((item.callspec.params["worker"], item.callspec.params["np"]) for item in items):
+        LAUNCHES[case](start=True)
 
 
 @pytest.mark.parametrize("worker,np", CASES)
 def test_launch_exits_cleanly(worker, np):
-    launch(np).section(worker).assert_clean_exit()
+    LAUNCHES[worker, np]().assert_clean_exit()
 
 
 @pytest.mark.parametrize("worker,np,check",
                          [(worker, np, check) for worker, np in CASES for check in check_names(worker)])
 def test_horovod_api_compat(worker, np, check):
-    assert_check(launch(np).section(worker), np, check)
+    assert_check(LAUNCHES[worker, np](), np, check)

@@ -62,9 +62,36 @@ def init(comm=None, process_sets=None):
         raise TypeError(f"init(comm=...) takes None, an mpi4py communicator or a list of ranks, not {type(comm)}")
     if membership.enabled() and comm is not None and comm is membership.comm():
         membership.after_start()
+        _register_elastic_exit()
     _install_excepthook()
     from tf_mpi import process_sets as _process_sets
     _process_sets.init_process_sets(process_sets, comm)
+
+
+_elastic_exit_registered = False
+_uncaught_error = False
+
+
+def _register_elastic_exit():
+    """Elastic mode ends a rank without MPI_Finalize (it does not return with ULFM's heartbeat
+    thread): at exit the engine stops, the rank tells the launcher it finished and agrees with the
+    others that all are done (membership.finish), then the process ends (status 1 after an
+    uncaught exception, else 0)."""
+    global _elastic_exit_registered
+    if _elastic_exit_registered:
+        return
+    _elastic_exit_registered = True
+    import atexit
+
+    def at_exit():
+        from tf_mpi import membership
+        _core.shutdown()
+        membership.finish(ok=not _uncaught_error)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _uncaught_error else 0)
+
+    atexit.register(at_exit)
 
 
 def _install_excepthook():
@@ -74,6 +101,12 @@ def _install_excepthook():
     _previous_excepthook = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        global _uncaught_error
+        _uncaught_error = True
+        from tf_mpi import membership
+        if membership.enabled():  # the launcher counts this rank as failed whatever ends it
+            from tf_mpi import run as launcher
+            launcher.mark_worker_finished(ok=False)
         if not _core.is_initialized() or _core.size() == 1 or issubclass(exc_type, KeyboardInterrupt):
             return _previous_excepthook(exc_type, exc, tb)
         rank = _core.rank()

@@ -44,6 +44,10 @@ Example::
 
     train(state)
 """
+import os
+import pickle
+
+import cloudpickle
 import tensorflow as tf
 
 from tf_mpi import basics, membership
@@ -117,6 +121,7 @@ class State:
         In elastic mode a collective: every rank must commit at the same points.
         """
         self.save()
+        self._persist()
         self.check_host_updates()
 
     def check_host_updates(self):
@@ -132,6 +137,36 @@ class State:
         if found:
             _pending_hosts = list(found)
             raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def _persist(self):
+        """Rank 0 writes the committed state to TF_MPI_ELASTIC_CHECKPOINT_DIR, if set (elastic mode).
+
+        A job the launcher starts again (a lost host ends Open MPI's job: docs/elastic.md)
+        resumes from it in ``run``."""
+        path = _checkpoint_path()
+        if path is None or basics.rank() != 0:
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            cloudpickle.dump(self._payload(), f)
+        os.replace(tmp, path)  # a reader sees the previous commit or this one, never half of one
+
+    def _resume(self):
+        """Rank 0 loads the state a previous launch committed (``run`` syncs it to the others)."""
+        path = _checkpoint_path()
+        if path is None or basics.rank() != 0 or not os.path.exists(path):
+            return False
+        with open(path, "rb") as f:
+            self._load_payload(pickle.load(f))
+        self.restore()
+        return True
+
+    def _payload(self):
+        """What ``_persist`` writes: the last commit, as plain picklable values."""
+        return {}
+
+    def _load_payload(self, payload):
+        """Makes ``payload`` (from ``_payload``) the last commit."""
 
     def save(self):
         """Saves the state to host memory."""
@@ -167,6 +202,12 @@ class ObjectState(State):
     def save(self):
         self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
 
+    def _payload(self):
+        return {"attributes": dict(self._saved_state)}
+
+    def _load_payload(self, payload):
+        self._saved_state = dict(payload["attributes"])
+
     def restore(self):
         self._set_attrs()
 
@@ -197,6 +238,19 @@ class _VariablesState(ObjectState):
     def save(self):
         self._save_model()
         super().save()
+
+    def _payload(self):
+        return dict(super()._payload(), variables=self._saved_values())
+
+    def _load_payload(self, payload):
+        super()._load_payload(payload)
+        self._set_saved_values(payload["variables"])
+
+    def _saved_values(self):
+        raise NotImplementedError
+
+    def _set_saved_values(self, values):
+        raise NotImplementedError
 
     def restore(self):
         self._load_model()
@@ -259,6 +313,16 @@ class TensorFlowKerasState(_VariablesState):
         for v, value in self._saved_variables:
             v.assign(value)
 
+    def _saved_values(self):
+        return [value for _, value in self._saved_variables]
+
+    def _set_saved_values(self, values):
+        variables = self._variables()
+        if len(values) != len(variables):
+            raise ValueError(f"tf_mpi: the elastic checkpoint holds {len(values)} variables but the model and "
+                             f"optimizer have {len(variables)} (build the optimizer before creating the state)")
+        self._saved_variables = list(zip(variables, values))
+
 
 class TensorFlowState(_VariablesState):
     """Elastic state of a list of TensorFlow variables and extra attributes.
@@ -311,11 +375,24 @@ class TensorFlowState(_VariablesState):
             for v, value in zip(self.variables, self._values):
                 v.assign(value)
 
+    def _saved_values(self):
+        return list(self._values)
+
+    def _set_saved_values(self, values):
+        if len(values) != len(self.variables):
+            raise ValueError(f"tf_mpi: the elastic checkpoint holds {len(values)} variables, the state {len(self.variables)}")
+        self._values = list(values)
+
 
 _FIXED_RANKS = ("a rank was lost or left: {}. Outside elastic mode tf_mpi runs on a fixed set of ranks (rank "
                 "membership changes are not supported there): the state was restored to its last commit on this "
                 "rank; restart the job (e.g. from a checkpoint), or launch it with `python -m tf_mpi.run --min-np N "
                 "...` to go on with the ranks that remain (docs/elastic.md)")
+
+def _checkpoint_path():
+    directory = os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR", "") if membership.enabled() else ""
+    return os.path.join(directory, "elastic_state.pkl") if directory else None
+
 
 _pending_hosts = []  # hosts to spawn ranks on at the next reset (check_host_updates, on every rank)
 
@@ -364,6 +441,22 @@ def _restart_with_new_hosts():
 _RESTART_ATTEMPTS = 10
 
 
+def _share_measurements():
+    """Gives every rank rank 0's measured cost model and verified plan fingerprints (tf_mpi.grouping).
+
+    Both come from collectives the first time a gradient reduction is traced, and are cached; a rank
+    spawned into a running job would otherwise run them alone when it traces (collectives the
+    others never join: their functions were traced already)."""
+    if not membership.enabled():
+        return
+    from tf_mpi import grouping
+    shared = broadcast_object((grouping._cost_model, dict(grouping.agreed_fingerprints)), root_rank=0,
+                              name="tfmpi.elastic.measurements")
+    grouping._cost_model = shared[0]
+    if membership.spawned() and not grouping.agreed_fingerprints:
+        grouping.inherited_fingerprints.update(shared[1])
+
+
 def run(func):
     """Decorator for the elastic training function ``func(state, *args, **kwargs)``.
 
@@ -387,9 +480,11 @@ def run(func):
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         skip_sync = False
+        state._resume()  # a relaunched job goes on from the last commit of the one before
         while True:
             try:
                 if not skip_sync:
+                    _share_measurements()
                     state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:

@@ -104,6 +104,13 @@ class CostModel:
 
 _cost_model = None
 
+agreed_fingerprints = {}
+"""Plan name -> the fingerprint every rank verified (verify_same_plan_everywhere)."""
+
+inherited_fingerprints = {}
+"""On a rank that joined a running job (tf_mpi.elastic): rank 0's agreed_fingerprints, each
+checked locally the first time this rank builds that plan."""
+
 
 def measure_cost_model(small_bytes=4 << 10, large_bytes=4 << 20, repeats=11):
     """Measures alpha and beta with probe allreduces, and the overlap with
@@ -356,9 +363,18 @@ def verify_same_plan_everywhere(plan, name, process_set_id=0):
     """
     from tf_mpi.basics import _core, Min, Max
     h = np.array([int(plan.fingerprint[:15], 16)], np.int64)
+    if name in inherited_fingerprints:
+        # A rank that joined a running job (elastic): the others verified this plan before it
+        # came and will not trace it again, so it checks against rank 0's fingerprint alone, once.
+        if inherited_fingerprints.pop(name) != int(h[0]):
+            raise ValueError(
+                f"tf_mpi: this rank derived a gradient grouping plan for '{name}' that differs from rank 0's. "
+                "Every rank must build the same model and optimizer. This rank's plan:\n" + plan.describe())
+        return
     lo = _core.allreduce(h, Min, f"tfmpi.plancheck.{name}.min", 1.0, 1.0, process_set_id)
     hi = _core.allreduce(h, Max, f"tfmpi.plancheck.{name}.max", 1.0, 1.0, process_set_id)
     if lo[0] != hi[0]:
         raise ValueError(
             f"tf_mpi: ranks derived different gradient grouping plans for '{name}' (plan hashes differ). "
             "Every rank must build the same model and optimizer. This rank's plan:\n" + plan.describe())
+    agreed_fingerprints[name] = int(h[0])

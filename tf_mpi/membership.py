@@ -34,7 +34,8 @@ import sys
 import threading
 import time
 
-__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "comm", "shrink", "grow", "Discovery"]
+__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "comm", "spawned", "shrink", "grow",
+           "finish", "Discovery"]
 
 # How often rank 0 runs the discovery script (Horovod's driver checks about once a second).
 DISCOVERY_INTERVAL_S = float(os.environ.get("TF_MPI_ELASTIC_DISCOVERY_INTERVAL", "1"))
@@ -134,6 +135,24 @@ def comm():
     return _comm
 
 
+def finish(ok):
+    """Tells the launcher this rank is done (``ok``: without an error), then waits until every rank
+    of the job is done with MPI (a fault-tolerant agreement), so that none leaves while another
+    still needs it. Called at exit in elastic mode (``tf_mpi.init`` registers it).
+
+    Example: ``membership.finish(ok=True)``
+    """
+    from tf_mpi import run as launcher
+    if _comm is None:
+        return
+    MPI = _mpi()
+    launcher.mark_worker_finished(ok=ok, rank=_comm.Get_rank(), size=_comm.Get_size())
+    try:
+        _comm.Agree(1)
+    except MPI.Exception:
+        pass  # a rank lost at the very end changes nothing for this one
+
+
 def after_start():
     """Learns every rank's host and starts rank 0's discovery (collective over :func:`comm`).
 
@@ -197,15 +216,13 @@ def grow(hosts):
     MPI = _mpi()
     if not hosts:
         return _comm
-    info = MPI.Info.Create()
+    from tf_mpi import run as launcher  # the launcher's side of the contract: what a spawn needs
     counts = {}
     for h in hosts:
         counts[h] = counts.get(h, 0) + 1
-    info.Set("host", ",".join(f"{h}:{n}" for h, n in counts.items()))
-    # mpirun's -x reaches only the ranks it started; the new ones get the same settings here.
-    forwarded = {name: value for name, value in os.environ.items() if _forwarded(name)}
-    if forwarded:
-        info.Set("env", "\n".join(f"{name}={value}" for name, value in sorted(forwarded.items())))
+    info = MPI.Info.Create()
+    for key, value in launcher.elastic_spawn_info(",".join(f"{h}:{n}" for h, n in counts.items())):
+        info.Set(key, value)
     inter = _comm.Spawn(sys.executable, args=list(sys.argv), maxprocs=len(hosts), info=info, root=0)
     info.Free()
     inter.Set_errhandler(MPI.ERRORS_RETURN)
@@ -241,7 +258,8 @@ class Discovery(threading.Thread):
         while not self._stop.is_set():
             try:
                 listed = parse_hosts(subprocess.run([self.script], capture_output=True, text=True,
-                                                    timeout=30, check=True).stdout)
+                                                    timeout=30, check=True).stdout,
+                                     int(os.environ.get("TF_MPI_ELASTIC_SLOTS", "1") or 1))
             except (OSError, subprocess.SubprocessError, ValueError) as e:
                 sys.stderr.write(f"[tf_mpi] host discovery script {self.script} failed: {e}\n")
                 listed = None
@@ -270,12 +288,6 @@ class Discovery(threading.Thread):
 
     def new_slots(self):
         return len(self.new_hosts())
-
-
-def _forwarded(name):
-    """Variables a spawned rank must see as the first ranks did: tf_mpi's, and those the launcher forwarded."""
-    listed = os.environ.get("TF_MPI_ELASTIC_FORWARD", "").split(",")
-    return name.startswith("TF_MPI_") or name in listed
 
 
 def parse_hosts(text, default_slots=1):

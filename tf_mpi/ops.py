@@ -210,8 +210,9 @@ def _allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_facto
     # allgather: the same bits as scaling the gathered rows, with 1/size() of the work per rank.
     values = _scale(slices.values, prescale_factor * postscale_factor)
     if op == Average:
-        # Horovod: true division by size(), so integer values become floating point.
-        values = values / tf.cast(process_sets.set_size(process_set_id), values.dtype)
+        # Horovod: true division by size(), so integer values become floating point. The size is
+        # read when the step runs (an op), not when it is traced: elastic jobs change it.
+        values = values / tf.cast(size_op(process_set_id), values.dtype)
     # Values and indices travel as one grouped allgather: one negotiation and one collective per
     # gradient instead of two (the indices come from the input ids; gathered on their own they were
     # negotiated early in the step, while the ranks still computed the forward pass).

@@ -166,7 +166,7 @@ class GradientReducer:
     def _scale_local(self, grad):
         if not self.scale_local_gradients:
             return grad
-        n = self._size()
+        n = ops.size_op(self.set_id)  # read at run time: elastic jobs change it
         return map_gradient(grad, lambda v: v / tf.cast(n, v.dtype))
 
     def _scaling(self):

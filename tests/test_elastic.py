@@ -1,0 +1,148 @@
+"""Elastic training on real ranks: lose ranks (killed, stopped, rank 0, during recovery), fall
+below --min-np, grow through the discovery script; weights checked against a one-process replay
+of the committed schedule (tests/workers/elastic_worker.py).
+
+Every launch goes through `python -m tf_mpi.run --min-np ... --max-np ...` (what users run) and
+is bounded in time; afterwards no worker of the launch may be left running.
+"""
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpi_harness import run_bounded  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "workers", "elastic_worker.py")
+LAUNCH_TIMEOUT = 240
+# From a SIGKILL to the first step completed on the ranks that remain (docs/elastic.md).
+RECOVERY_BOUND_S = 2.0
+# A stopped rank is declared dead by Open MPI's heartbeat detector after its timeout (3 s as
+# python -m tf_mpi.run sets it), give or take one period; recovery then takes as above.
+STOPPED_BOUND_S = 3.0 + 0.5 + RECOVERY_BOUND_S
+
+_cache = {}
+
+
+def _leftovers(tag):
+    out = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split()
+    return [p for p in out if p != str(os.getpid())]
+
+
+def launch(name, np, min_np, max_np=None, env=None, discovery=None):
+    """Runs one scenario (once per session); returns (rc, output, out_dir, leftovers)."""
+    if name in _cache:
+        return _cache[name]
+    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tfmpi-elastic-{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(out)
+    tag = f"elastic-tag-{uuid.uuid4().hex}"
+    cmd = [sys.executable, "-m", "tf_mpi.run", "-np", str(np), "--min-np", str(min_np)]
+    if max_np is not None:
+        cmd += ["--max-np", str(max_np)]
+    if discovery is not None:
+        script = os.path.join(out, "discover.sh")
+        with open(script, "w") as f:
+            f.write(discovery.format(out=out, host=socket.gethostname()))
+        os.chmod(script, os.stat(script).st_mode | stat.S_IEXEC)
+        cmd += ["--host-discovery-script", script]
+    cmd += [sys.executable, WORKER, tag]
+    full_env = dict(os.environ, ELASTIC_OUT=out, **(env or {}))
+    rc, output, _, timed_out = run_bounded(cmd, LAUNCH_TIMEOUT, full_env)
+    assert not timed_out, f"{name}: the launch did not end within {LAUNCH_TIMEOUT} s:\n{output[-6000:]}"
+    time.sleep(0.5)
+    left = _leftovers(tag)
+    for pid in left:  # never leave anything behind, even when the check below fails
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+    _cache[name] = (rc, output, out, left)
+    return _cache[name]
+
+
+def result(out, output):
+    path = os.path.join(out, "result.json")
+    assert os.path.exists(path), f"rank 0 wrote no result:\n{output[-6000:]}"
+    with open(path) as f:
+        return json.load(f)
+
+
+def fault_time(out, rank):
+    with open(os.path.join(out, f"fault{rank}.json")) as f:
+        return json.load(f)["time"]
+
+
+def assert_trained_like_replay(r):
+    assert r["identical_on_every_rank"], r
+    assert r["allclose_vs_replay"], r
+
+
+def test_tape_loop_survives_a_killed_rank():
+    rc, output, out, left = launch("tape-kill", 3, 2, env={"ELASTIC_MODE": "tape", "ELASTIC_FAULTS": "1@5",
+                                                           "ELASTIC_STEPS": "12"})
+    assert rc == 0, output[-6000:]
+    assert left == [], left
+    r = result(out, output)
+    assert_trained_like_replay(r)
+    assert r["size"] == 2
+    # Step 4 was committed at size 3; step 5's attempt was lost and redone at size 2 from step 4.
+    assert r["sizes"] == [3] * 4 + [2] * 8, r["sizes"]
+    recovery = r["events"]["first_step_after_reset"][0] - fault_time(out, 1)
+    assert 0 < recovery < RECOVERY_BOUND_S, recovery
+
+
+def test_keras_fit_survives_a_stopped_rank():
+    rc, output, out, left = launch("fit-stop", 3, 2, env={"ELASTIC_MODE": "fit", "ELASTIC_FAULTS": "2@4:STOP",
+                                                          "ELASTIC_STEPS": "10"})
+    assert rc == 0, output[-6000:]
+    assert left == [], left
+    r = result(out, output)
+    assert_trained_like_replay(r)
+    assert r["size"] == 2
+    assert r["sizes"] == [3] * 4 + [2] * 6, r["sizes"]
+    recovery = r["events"]["first_step_after_reset"][0] - fault_time(out, 2)
+    assert 0 < recovery < STOPPED_BOUND_S, recovery
+
+
+def test_rank0_lost_then_another_rank_lost_during_recovery():
+    rc, output, out, left = launch("rank0-then-reset", 3, 1, env={"ELASTIC_MODE": "tape",
+                                                                  "ELASTIC_FAULTS": "0@3,2@reset",
+                                                                  "ELASTIC_STEPS": "8"})
+    assert rc == 0, output[-6000:]
+    assert left == [], left
+    r = result(out, output)
+    assert_trained_like_replay(r)
+    assert r["size"] == 1
+    # Step 2 committed at size 3; the lost attempt at step 3 and everything after at size 1.
+    assert r["sizes"] == [3] * 2 + [1] * 6, r["sizes"]
+
+
+def test_below_min_np_ends_the_job_with_a_clear_message():
+    rc, output, out, left = launch("below-min", 2, 2, env={"ELASTIC_MODE": "tape", "ELASTIC_FAULTS": "1@3",
+                                                          "ELASTIC_STEPS": "8"})
+    assert rc != 0, output[-6000:]
+    assert left == [], left
+    assert "fewer than the minimum of 2" in output, output[-6000:]
+    assert not os.path.exists(os.path.join(out, "result.json"))
+
+
+GROW_DISCOVERY = """#!/bin/sh
+if [ -e {out}/grow ]; then echo {host}:3; else echo {host}:2; fi
+"""
+
+
+def test_grows_when_discovery_lists_more_slots():
+    rc, output, out, left = launch("grow", 2, 2, max_np=3, discovery=GROW_DISCOVERY,
+                                   env={"ELASTIC_MODE": "tape", "ELASTIC_GROW_AT": "3", "ELASTIC_STEPS": "8"})
+    assert rc == 0, output[-6000:]
+    assert left == [], left
+    r = result(out, output)
+    assert_trained_like_replay(r)
+    assert r["size"] == 3
+    # Rank 0 finds the new slot while at step 3; every rank learns of it at the commit after
+    # step 4 (no rollback), and steps 4.. run on 3 ranks.
+    assert r["sizes"] == [2] * 4 + [3] * 4, r["sizes"]

@@ -17,7 +17,9 @@ It knows nothing of the engine (``tf_mpi.basics`` calls :func:`start` and :func:
 
 The limits come from the launcher: ``TF_MPI_ELASTIC_MIN_NP`` (fewer ranks end the job with
 :class:`MembershipError`) and ``TF_MPI_ELASTIC_MAX_NP`` (never grown past). The discovery
-script (``TF_MPI_ELASTIC_DISCOVERY``) prints ``host:slots`` lines, as Horovod's does.
+script (``TF_MPI_ELASTIC_DISCOVERY``) prints ``host:slots`` lines, as Horovod's does; it is read
+with the launcher's parser (``tf_mpi.run.parse_discovery_output``), and the launcher's side of
+the other contracts (spawn settings, finished marks) comes from ``tf_mpi.run`` too.
 
 This module does not import TensorFlow.
 
@@ -257,9 +259,9 @@ class Discovery(threading.Thread):
     def run(self):
         while not self._stop.is_set():
             try:
-                listed = parse_hosts(subprocess.run([self.script], capture_output=True, text=True,
-                                                    timeout=30, check=True).stdout,
-                                     int(os.environ.get("TF_MPI_ELASTIC_SLOTS", "1") or 1))
+                from tf_mpi import run as launcher  # reads the script's lines as the launcher did
+                output = subprocess.run([self.script], capture_output=True, text=True, timeout=30, check=True).stdout
+                listed = dict(launcher.parse_discovery_output(output, int(os.environ.get("TF_MPI_ELASTIC_SLOTS", "1") or 1)))
             except (OSError, subprocess.SubprocessError, ValueError) as e:
                 sys.stderr.write(f"[tf_mpi] host discovery script {self.script} failed: {e}\n")
                 listed = None
@@ -288,20 +290,3 @@ class Discovery(threading.Thread):
 
     def new_slots(self):
         return len(self.new_hosts())
-
-
-def parse_hosts(text, default_slots=1):
-    """``{host: slots}`` from a discovery script's output: one ``host:slots`` (or ``host``) per line.
-
-    Example::
-
-        parse_hosts("h1:2\\nh2:2\\n")   # {"h1": 2, "h2": 2}
-    """
-    hosts = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        host, _, slots = line.partition(":")
-        hosts[host.strip()] = int(slots) if slots.strip() else default_slots
-    return hosts

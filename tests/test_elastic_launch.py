@@ -1,7 +1,8 @@
 """``python -m tf_mpi.run`` in elastic mode (``--min-np``/``--max-np``/``--host-discovery-script``):
-its argument handling and mpirun command line (no launch), the exit contract (a stand-in mpirun),
-and real single-host runs of small mpi4py programs (no TensorFlow) under Open MPI's fault
-tolerance: a rank killed, a rank hung (SIGSTOP), and a job grown by ``MPI_Comm_spawn``.
+its argument handling and mpirun command line (no launch), the exit contract and the relaunch after
+a lost host (a stand-in mpirun), and real single-host runs of small mpi4py programs (no
+TensorFlow) under Open MPI's fault tolerance: a rank killed, a rank hung (SIGSTOP), and a job
+grown by ``MPI_Comm_spawn``; on two pretend hosts, a rank killed and a host lost.
 """
 import json
 import os
@@ -203,6 +204,15 @@ FAKE_MPIRUN = textwrap.dedent('''\
         sys.exit(5)
     if scenario == "hangs":            # every rank done, then mpirun does not exit (MPI_Finalize)
         mark(0, size=2); mark(1, size=2); time.sleep(120)
+    if scenario in ("lost_then_ok", "always_lost"):   # host b lost (Open MPI's report), then a relaunch
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(json.dumps({{"argv": sys.argv[1:], "checkpoint": os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")}}) + "\\n")
+        if scenario == "always_lost" or len(open(os.environ["FAKE_LOG"]).readlines()) == 1:
+            sys.stderr.write("PRTE has lost communication with a remote daemon.\\n\\n"
+                             "  HNP daemon   : [prterun-a-1@0,0] on node localhost\\n"
+                             "  Remote daemon: [prterun-a-1@0,1] on node b\\n")
+            mark(0, size=4); sys.exit(0)
+        mark(0, size=2); mark(1, size=2); sys.exit(0)
 ''')
 
 
@@ -233,6 +243,49 @@ def test_launcher_ends_mpirun_once_the_final_group_is_done(fake_mpirun):
                                                    TF_MPI_ELASTIC_EXIT_GRACE_S="1"))
     assert not timed_out and rc == 0 and elapsed < 20, out
     assert "mpirun still runs: ending it" in out
+
+
+def _relaunches(fake_mpirun, tmp_path, scenario, *extra):
+    log = tmp_path / "calls.jsonl"
+    rc, out, _, timed_out = run_bounded(RUN + ["-np", "4", "--min-np", "2", *extra, "--host", "localhost:2,b:2",
+                                               "python", "t.py"], 60,
+                                        _env(TF_MPI_MPIRUN=fake_mpirun, FAKE_SCENARIO=scenario, FAKE_LOG=str(log)))
+    assert not timed_out, out
+    return rc, out, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_a_lost_host_relaunches_on_the_hosts_left(fake_mpirun, tmp_path):
+    rc, out, calls = _relaunches(fake_mpirun, tmp_path, "lost_then_ok")
+    assert rc == 0 and len(calls) == 2, out
+    first, second = calls
+    assert first["argv"][:2] == ["-np", "4"] and "localhost:2,b:2" in first["argv"]
+    assert second["argv"][:2] == ["-np", "2"] and "localhost:2" in second["argv"] and "b:2" not in " ".join(second["argv"])
+    # The default checkpoint directory (several hosts, rank 0 here): the same for both, removed at the end.
+    assert first["checkpoint"] and first["checkpoint"] == second["checkpoint"]
+    assert not os.path.exists(first["checkpoint"])
+    assert f"tf_mpi.run: lost b: relaunch 1 of 3 with 2 rank(s) on localhost, resuming from {first['checkpoint']}" in out
+    assert "mpirun lost a host" in out and "elastic job: 2 rank(s) finished (min-np 2)" in out
+
+
+def test_relaunch_limits_and_a_given_checkpoint_dir(fake_mpirun, tmp_path):
+    rc, out, calls = _relaunches(fake_mpirun, tmp_path, "always_lost", "--min-np", "3")
+    assert rc == 1 and len(calls) == 1, out
+    assert "lost b; the 2 slot(s) left (localhost) are fewer than --min-np 3: not relaunching" in out
+    kept = tmp_path / "ckpt"
+    rc, out, calls = _relaunches(fake_mpirun, tmp_path, "always_lost", "--max-restarts", "1",
+                                 "--elastic-checkpoint-dir", str(kept))
+    assert rc == 1 and len(calls) == 1 + 2, out   # (the log holds the first case's call too)
+    assert [c["checkpoint"] for c in calls[1:]] == [str(kept)] * 2 and kept.is_dir()
+    assert "relaunch 1 of 1" in out and "relaunch 2" not in out
+
+
+def test_lost_host_names():
+    said = (b"PRTE has lost communication with a remote daemon.\n\n  HNP daemon   : [prterun-h1-9@0,0] on node h1\n"
+            b"  Remote daemon: [prterun-h1-9@0,1] on node h2\n")
+    assert _launcher.lost_host_names(said + said) == ["h2"]
+    assert _launcher.lost_host_names(b"A daemon failed to report back") == []
+    said = b"A daemon failed to report back after being spawned.\n  Local host:    h1\n  Remote host:   h3\n"
+    assert _launcher.lost_host_names(said) == ["h3"]        # what a killed host gave too (pretend hosts)
 
 
 def test_mark_worker_finished(tmp_path, monkeypatch, capsys):
@@ -418,11 +471,13 @@ def test_killed_rank_on_another_host(tmp_path, two_hosts):
 
 
 def test_lost_host_ends_the_job_and_the_launcher_says_so(tmp_path, two_hosts):
-    """Open MPI 5.0 ends the job when a host's daemon is lost, elastic or not (docs/elastic.md)."""
+    """Open MPI 5.0 ends the job when a host's daemon is lost, elastic or not (docs/elastic.md);
+    without relaunches (--max-restarts 0) the launcher exits 1 (tests/test_elastic_hosts.py relaunches)."""
     c = two_hosts
     worker = tmp_path / "elastic_worker.py"
     worker.write_text(WORKER.format(run_py=RUN_PY))
-    cmd = c.command(RUN + ["-np", "4", "--min-np", "2", "--host", c.host_list(), "python", str(worker), "wait"])
+    cmd = c.command(RUN + ["-np", "4", "--min-np", "2", "--max-restarts", "0", "--host", c.host_list(),
+                           "python", str(worker), "wait"])
     proc = subprocess.Popen(cmd, env=c.env(_env(), clean_remote_env=True), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, ready = [], threading.Event()

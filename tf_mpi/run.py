@@ -52,7 +52,8 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   :data:`ELASTIC_MPIRUN_ARGS` (each unless set on the command line): a rank that dies or hangs
   gives the others an MPI error instead of ending the job, and ranks spawned later
   (``MPI_Comm_spawn``) belong to a job that survives failures too. Losing a whole host (its Open
-  MPI daemon) still ends the job: Open MPI 5.0's launcher has no setting against that. On one host the byte
+  MPI daemon) still ends the job (Open MPI 5.0's launcher has no setting against that): see
+  relaunching below. On one host the byte
   transports are shared memory plus TCP on the loopback interface only
   (:data:`ELASTIC_LOCAL_ENV`: a spawned rank cannot reach the others through shared memory), and
   ``--oversubscribe`` is added when ``--max-np`` exceeds the cores. Every host the discovery script
@@ -62,7 +63,8 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   ``TF_MPI_ELASTIC_MIN_NP``, ``TF_MPI_ELASTIC_MAX_NP``, ``TF_MPI_ELASTIC_SLOTS`` (slots of a
   discovered host without a count), ``TF_MPI_ELASTIC_HOSTS`` (the ``host:slots`` list declared
   to ``mpirun``; empty: this host), ``TF_MPI_ELASTIC_DISCOVERY`` (the script's absolute path, when given) and
-  ``TF_MPI_ELASTIC_STATUS_DIR`` (see below). :func:`parse_discovery_output` and
+  ``TF_MPI_ELASTIC_STATUS_DIR`` (see below), ``TF_MPI_ELASTIC_CHECKPOINT_DIR`` (see relaunching
+  below). :func:`parse_discovery_output` and
   :func:`discover_hosts` read a discovery script's hosts the same way the launcher does;
   :func:`elastic_spawn_info` gives the ``MPI_Comm_spawn`` info a growing job needs.
 - Exit status: ``mpirun``'s own is no guide (0 although a rank was killed; a failed rank's code
@@ -77,11 +79,25 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   When every rank of the final group (the marks carry rank and size) has marked itself finished
   and ``mpirun`` is still running :data:`ELASTIC_EXIT_GRACE_S` seconds later
   (``TF_MPI_ELASTIC_EXIT_GRACE_S``), the launcher ends it.
+- Relaunching after a lost host: when ``mpirun`` reported a lost host and the exit status above
+  is not 0, the launcher starts ``mpirun`` again (the same program, a fresh status directory, the
+  same checkpoint directory) on the hosts the discovery script lists now, or without one on the
+  declared hosts less the lost ones (:func:`lost_host_names` reads them from Open MPI's report),
+  with ``min(their slots, --max-np)`` ranks; at most ``--max-restarts`` times
+  (:data:`ELASTIC_MAX_RESTARTS`), and not below ``--min-np`` (then it exits 1, saying so). It
+  prints one line per relaunch on stderr. The ranks resume from the last commit, which
+  ``hvd.elastic``'s rank 0 writes into ``TF_MPI_ELASTIC_CHECKPOINT_DIR``:
+  ``--elastic-checkpoint-dir DIR`` (or that variable in the launching shell; created if missing,
+  kept afterwards), else, for a job on several hosts whose first host (where rank 0 starts) is
+  this one, a fresh directory beside the status directory, removed at the end. After a relaunch
+  rank 0 runs on the first host left: where that can be another host than this one, ``DIR`` must
+  be on a file system every host shares. Either new flag turns elastic mode on.
 
 It does not import TensorFlow.
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -354,7 +370,8 @@ def run_reporting_lost_hosts(argv, env):
 
 # -- elastic mode ----------------------------------------------------------------------------------
 ELASTIC_VALUE_OPTIONS = {"--min-np": "min_np", "--max-np": "max_np",
-                         "--host-discovery-script": "discovery", "--slots": "slots"}
+                         "--host-discovery-script": "discovery", "--slots": "slots",
+                         "--elastic-checkpoint-dir": "checkpoint_dir", "--max-restarts": "max_restarts"}
 """tf_mpi.run's own elastic options (Horovod's spellings) and the setting each gives."""
 
 ELASTIC_FLAG = "--elastic"
@@ -381,6 +398,9 @@ ranks ends without ``MPI_Finalize``: ``state_base_recoverable`` makes every job 
 ELASTIC_LOCAL_ENV = {"OMPI_MCA_btl": "self,sm,tcp", "OMPI_MCA_btl_tcp_if_include": "lo"}
 """A single-host elastic job's transports: shared memory within the first job, TCP on the loopback
 interface between it and spawned ranks (shared memory does not connect separate jobs)."""
+
+ELASTIC_MAX_RESTARTS = 3
+"""How many times the launcher starts ``mpirun`` again after a lost host (``--max-restarts``)."""
 
 ELASTIC_EXIT_GRACE_S = 20.0
 """How long the launcher lets ``mpirun`` run on once every rank of the final group has marked
@@ -458,7 +478,7 @@ def _host_slots(options):
 def split_elastic_args(argv):
     """Takes tf_mpi.run's elastic options out of ``argv`` (only before the program).
     Returns (settings, the other arguments): settings maps ``min_np``, ``max_np``, ``discovery``,
-    ``slots`` to what was given, and is None when no elastic option was given (``--slots`` alone
+    ``slots``, ``checkpoint_dir``, ``max_restarts`` to what was given, and is None when no elastic option was given (``--slots`` alone
     is left to mpirun then).
 
     Example::
@@ -478,7 +498,7 @@ def split_elastic_args(argv):
                     raise ValueError(f"{a} needs a value")
                 value, i = argv[i + 1], i + 1
             key = ELASTIC_VALUE_OPTIONS[name]
-            if key != "discovery":
+            if key not in ("discovery", "checkpoint_dir"):
                 try:
                     value = int(value)
                 except ValueError:
@@ -512,9 +532,10 @@ def _option_is_set(options, env, name, value_name=None):
     return prefix is not None and f"{prefix}{value_name}" in env
 
 
-def elastic_launch(np, options, program, settings, env=None, status_dir=None):
+def elastic_launch(np, options, program, settings, env=None, status_dir=None, checkpoint_dir=None):
     """The (argv, env, settings) that start an elastic job: ``np`` ranks (None: ``--min-np``) with
-    mpirun ``options``, ``settings`` from :func:`split_elastic_args`. The returned settings are
+    mpirun ``options``, ``settings`` from :func:`split_elastic_args`; ``status_dir`` and
+    ``checkpoint_dir`` are passed to the ranks (``TF_MPI_ELASTIC_STATUS_DIR``/``_CHECKPOINT_DIR``). The returned settings are
     complete (``np``, ``min_np``, ``max_np``, ``slots``, ``discovery``, ``hosts``). Raises
     ValueError for sizes that do not fit together, RuntimeError where discovery fails.
 
@@ -586,6 +607,8 @@ def elastic_launch(np, options, program, settings, env=None, status_dir=None):
         env.pop("TF_MPI_ELASTIC_DISCOVERY", None)
     if status_dir:
         env["TF_MPI_ELASTIC_STATUS_DIR"] = status_dir
+    if checkpoint_dir:
+        env["TF_MPI_ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir
     argv, env = launch(np, (added if mpirun_is_ompi else []) + options, program, env)
     settings.update(np=np, min_np=min_np, max_np=max_np, slots=slots, discovery=discovery,
                     hosts=declared)
@@ -726,12 +749,14 @@ def elastic_verdict(marks, min_np, mpirun_rc):
     return 1, f"only {len(done)} rank(s) marked themselves finished, fewer than min-np {min_np}"
 
 
-def run_elastic(argv, env, min_np, status_dir, grace_s=None):
+def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None):
     """Runs an elastic job's mpirun ``argv`` and returns the exit status the marks give
-    (:func:`elastic_verdict`), passing mpirun's output through (less printed marks)."""
+    (:func:`elastic_verdict`), passing mpirun's output through (less printed marks). Where
+    ``mpirun`` reported a lost host, appends the host's name (None if not named) to ``lost_hosts``
+    (a list)."""
     grace_s = float(env.get("TF_MPI_ELASTIC_EXIT_GRACE_S", ELASTIC_EXIT_GRACE_S) if grace_s is None else grace_s)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    printed = []
+    printed, said = [], {1: [], 2: []}   # mpirun's output from a lost-host report on, per stream
     lost = threading.Event()
 
     def pass_lines(source, sink):
@@ -744,6 +769,8 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None):
                     pass
             if any(m in line for m in LOST_HOST_MESSAGES):
                 lost.set()
+            if lost.is_set() and len(said[1]) < 200:
+                said[1].append(line)
             sink.write(line)
             sink.flush()
 
@@ -753,8 +780,11 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None):
             sink.write(chunk)
             sink.flush()
             window = tail + chunk
-            if any(m in window for m in LOST_HOST_MESSAGES):
+            if lost.is_set() and len(said[2]) < 200:
+                said[2].append(chunk if said[2] else window)
+            elif any(m in window for m in LOST_HOST_MESSAGES):
                 lost.set()
+                said[2].append(window)
             tail = window[-256:]
 
     pumps = [threading.Thread(target=pass_lines, args=(proc.stdout, sys.stdout.buffer), daemon=True),
@@ -784,8 +814,28 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None):
     status, why = elastic_verdict(read_marks(status_dir, printed), min_np, rc)
     if lost.is_set():
         why += "; mpirun lost a host, which ends an Open MPI job (see its message above)"
+        if lost_hosts is not None:
+            lost_hosts += lost_host_names(b"".join(said[2]) + b"\n" + b"".join(said[1])) or [None]
     sys.stderr.write(f"tf_mpi.run: elastic job: {why} (mpirun exited with {rc}); exit status {status}\n")
     return status
+
+
+def lost_host_names(output):
+    """The hosts Open MPI's lost-host reports (:data:`LOST_HOST_MESSAGES`) in ``output`` (bytes)
+    name, in order, once each.
+
+    Example::
+
+        lost_host_names(b"...lost communication with a remote daemon.\\n"
+                        b"  Remote daemon: [prterun-h1-5@0,1] on node h2\\n")   # -> ["h2"]
+    """
+    names = []
+    for m in re.finditer(b"|".join(map(re.escape, LOST_HOST_MESSAGES)), output):
+        report = output[m.end():m.end() + 1500]
+        found = re.search(rb"Remote daemon\s*:[^\n]*? on node (\S+)|Remote host:\s*(\S+)", report)
+        if found:
+            names.append((found.group(1) or found.group(2)).decode(errors="replace"))
+    return list(dict.fromkeys(names))
 
 
 def main(argv=None):
@@ -799,7 +849,9 @@ def main(argv=None):
         sys.stderr.write(f"tf_mpi.run: {e}\nusage: python -m tf_mpi.run -np N [mpirun options] "
                          "[--] program [args...]\n"
                          "       python -m tf_mpi.run [-np N] --min-np N [--max-np N] "
-                         "[--host-discovery-script PATH] [--slots N] [mpirun options] [--] program [args...]\n")
+                         "[--host-discovery-script PATH] [--slots N]\n"
+                         "                            [--elastic-checkpoint-dir DIR] [--max-restarts N] "
+                         "[mpirun options] [--] program [args...]\n")
         return 2
     cmd, env = launch(np, options, program)
     if is_single_host(options, env):
@@ -809,16 +861,69 @@ def main(argv=None):
 
 def _main_elastic(settings, argv):
     np, options, program = split_args(argv, require_np=False)
-    status_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_")
+    settings = dict(settings)
+    max_restarts = settings.pop("max_restarts", ELASTIC_MAX_RESTARTS)
+    checkpoint_dir = settings.pop("checkpoint_dir", None) or os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")
+    made = []   # directories this launcher made (removed at the end)
     try:
-        try:
-            cmd, env, _ = elastic_launch(np, options, program, settings, status_dir=status_dir)
-        except RuntimeError as e:
-            sys.stderr.write(f"tf_mpi.run: {e}\n")
-            return 2
-        return run_elastic(cmd, env, int(env["TF_MPI_ELASTIC_MIN_NP"]), status_dir)
+        for restart in range(max_restarts + 1):
+            status_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_")
+            made.append(status_dir)
+            if checkpoint_dir:
+                checkpoint_dir = os.path.abspath(checkpoint_dir)
+                os.makedirs(checkpoint_dir, exist_ok=True)
+            try:
+                cmd, env, settings = elastic_launch(np, options, program, settings, status_dir=status_dir,
+                                                    checkpoint_dir=checkpoint_dir)
+                if checkpoint_dir is None and _default_checkpoint_dir_fits(settings["hosts"]):
+                    checkpoint_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_checkpoint_")
+                    made.append(checkpoint_dir)
+                    cmd, env, settings = elastic_launch(np, options, program, settings, status_dir=status_dir,
+                                                        checkpoint_dir=checkpoint_dir)
+            except RuntimeError as e:
+                sys.stderr.write(f"tf_mpi.run: {e}\n")
+                return 2 if restart == 0 else 1
+            lost = []
+            status = run_elastic(cmd, env, settings["min_np"], status_dir, lost_hosts=lost)
+            if status == 0 or not lost or restart == max_restarts:
+                return status
+            # A lost host ends Open MPI's job: start it again on the hosts left (it resumes from
+            # the last commit in the checkpoint directory): those the discovery script lists now,
+            # or the declared ones less the lost ones.
+            if settings["discovery"]:
+                try:
+                    hosts = discover_hosts(settings["discovery"], settings["slots"])
+                except RuntimeError as e:
+                    sys.stderr.write(f"tf_mpi.run: cannot relaunch: {e}\n")
+                    return 1
+            else:
+                hosts = [(h, n) for h, n in settings["hosts"] if h not in lost]
+            available = sum(n for _, n in hosts)
+            what = ", ".join(h or "a host" for h in lost)
+            if available < settings["min_np"]:
+                sys.stderr.write(f"tf_mpi.run: lost {what}; the {available} slot(s) left "
+                                 f"({','.join(h for h, _ in hosts) or 'no host'}) are fewer than "
+                                 f"--min-np {settings['min_np']}: not relaunching; exit status 1\n")
+                return 1
+            np = min(available, settings["max_np"])
+            options = _without_host_options(options) + ["--host", ",".join(f"{h}:{n}" for h, n in hosts)]
+            sys.stderr.write(f"tf_mpi.run: lost {what}: relaunch {restart + 1} of {max_restarts} with "
+                             f"{np} rank(s) on {','.join(h for h, _ in hosts)}"
+                             f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
     finally:
-        shutil.rmtree(status_dir, ignore_errors=True)
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _default_checkpoint_dir_fits(hosts):
+    """Whether a checkpoint directory on this host's file system serves a job on ``hosts``
+    (``[(host, slots)]``, as declared to mpirun): the job spans several hosts (only those can
+    lose one and be relaunched) and the first, where rank 0 starts, is this one."""
+    if not hosts:
+        return False
+    here = _this_host_names()
+    first = hosts[0][0]
+    return (first in here or first.startswith("127.")) and not is_single_host(["--host", ",".join(h for h, _ in hosts)])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ mode). The scenario comes from the environment:
                     then lists more slots) and waits until its discovery has seen them
   ELASTIC_STEPS     total optimizer steps
   ELASTIC_OUT       directory for rank 0's result.json and the failing ranks' kill times
+  ELASTIC_STEP_SLEEP  seconds each rank sleeps after each step (tape mode; default 0), and rank 0
+                    writes ELASTIC_OUT/progress.json ({"step", "size"}) after each commit: lets a
+                    test act while the job trains (tests/test_elastic_hosts.py kills a host)
 
 Data: the job consumes the rows in order (tf_mpi.data.shard_arrays with batch_size, skip=rows
 committed so far): a step on n ranks trains on the next n*B rows, rank r on its B of them, so the
@@ -136,6 +139,14 @@ def main():
         if me in faults and state.step == faults[me][0]:
             kill_self(state.step, faults[me][1])
 
+    step_sleep = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
+
+    def note_progress(state):
+        if step_sleep and hvd.rank() == 0:
+            with open(os.path.join(out, "progress.json.tmp"), "w") as f:
+                json.dump({"step": state.step, "size": hvd.size()}, f)
+            os.replace(os.path.join(out, "progress.json.tmp"), os.path.join(out, "progress.json"))
+
     if mode == "tape":
         state = hvd.elastic.TensorFlowKerasState(model, opt, step=0, sizes=(), samples=0)
 
@@ -160,6 +171,8 @@ def main():
                 state.step += 1
                 if state.step % COMMIT_EVERY == 0:
                     state.commit()
+                    note_progress(state)
+                time.sleep(step_sleep)
     else:
         model.compile(optimizer=hvd_keras.DistributedOptimizer(opt), loss="mse")
         state = hvd_keras.elastic.KerasState(model, opt, step=0, sizes=(), samples=0, epoch=0, batch=0)

@@ -206,7 +206,8 @@ FAKE_MPIRUN = textwrap.dedent('''\
         mark(0, size=2); mark(1, size=2); time.sleep(120)
     if scenario in ("lost_then_ok", "always_lost"):   # host b lost (Open MPI's report), then a relaunch
         with open(os.environ["FAKE_LOG"], "a") as f:
-            f.write(json.dumps({{"argv": sys.argv[1:], "checkpoint": os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")}}) + "\\n")
+            f.write(json.dumps({{"argv": sys.argv[1:],
+                                "checkpoint": os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")}}) + "\\n")
         if scenario == "always_lost" or len(open(os.environ["FAKE_LOG"]).readlines()) == 1:
             sys.stderr.write("PRTE has lost communication with a remote daemon.\\n\\n"
                              "  HNP daemon   : [prterun-a-1@0,0] on node localhost\\n"
@@ -259,7 +260,8 @@ def test_a_lost_host_relaunches_on_the_hosts_left(fake_mpirun, tmp_path):
     assert rc == 0 and len(calls) == 2, out
     first, second = calls
     assert first["argv"][:2] == ["-np", "4"] and "localhost:2,b:2" in first["argv"]
-    assert second["argv"][:2] == ["-np", "2"] and "localhost:2" in second["argv"] and "b:2" not in " ".join(second["argv"])
+    assert second["argv"][:2] == ["-np", "2"] and "localhost:2" in second["argv"]
+    assert "b:2" not in " ".join(second["argv"])
     # The default checkpoint directory (several hosts, rank 0 here): the same for both, removed at the end.
     assert first["checkpoint"] and first["checkpoint"] == second["checkpoint"]
     assert not os.path.exists(first["checkpoint"])

@@ -478,8 +478,8 @@ def _host_slots(options):
 def split_elastic_args(argv):
     """Takes tf_mpi.run's elastic options out of ``argv`` (only before the program).
     Returns (settings, the other arguments): settings maps ``min_np``, ``max_np``, ``discovery``,
-    ``slots``, ``checkpoint_dir``, ``max_restarts`` to what was given, and is None when no elastic option was given (``--slots`` alone
-    is left to mpirun then).
+    ``slots``, ``checkpoint_dir``, ``max_restarts`` to what was given, and is None when no elastic
+    option was given (``--slots`` alone is left to mpirun then).
 
     Example::
 
@@ -535,9 +535,10 @@ def _option_is_set(options, env, name, value_name=None):
 def elastic_launch(np, options, program, settings, env=None, status_dir=None, checkpoint_dir=None):
     """The (argv, env, settings) that start an elastic job: ``np`` ranks (None: ``--min-np``) with
     mpirun ``options``, ``settings`` from :func:`split_elastic_args`; ``status_dir`` and
-    ``checkpoint_dir`` are passed to the ranks (``TF_MPI_ELASTIC_STATUS_DIR``/``_CHECKPOINT_DIR``). The returned settings are
-    complete (``np``, ``min_np``, ``max_np``, ``slots``, ``discovery``, ``hosts``). Raises
-    ValueError for sizes that do not fit together, RuntimeError where discovery fails.
+    ``checkpoint_dir`` are passed to the ranks (``TF_MPI_ELASTIC_STATUS_DIR``/``_CHECKPOINT_DIR``).
+    The returned settings are complete (``np``, ``min_np``, ``max_np``, ``slots``, ``discovery``,
+    ``hosts``). Raises ValueError for sizes that do not fit together, RuntimeError where discovery
+    fails.
 
     Example::
 

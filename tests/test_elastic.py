@@ -79,6 +79,7 @@ def fault_time(out, rank):
 def assert_trained_like_replay(r):
     assert r["identical_on_every_rank"], r
     assert r["allclose_vs_replay"], r
+    assert r["reshard_covers_rest_once"], r
 
 
 def test_tape_loop_survives_a_killed_rank():

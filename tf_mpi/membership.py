@@ -255,6 +255,7 @@ class Discovery(threading.Thread):
         self._listed = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._warned = set()
 
     def run(self):
         while not self._stop.is_set():
@@ -281,12 +282,28 @@ class Discovery(threading.Thread):
             used[h] = used.get(h, 0) + 1
         out = []
         for host, slots in listed.items():
+            if not self._declared(host):
+                continue
             out += [host] * max(0, slots - used.get(host, 0))
         if self.max_np is not None:
             out = out[:max(0, self.max_np - len(self.current))]
         else:
             out = []
         return out
+
+    def _declared(self, host):
+        """Whether Open MPI was given `host` at launch (TF_MPI_ELASTIC_HOSTS; empty: the job's own
+        hosts). A spawn onto any other host ends the whole job (Open MPI 5.0), so such a host is
+        left out, with one warning: it joins when the launcher starts the job again."""
+        declared = os.environ.get("TF_MPI_ELASTIC_HOSTS", "")
+        names = {item.rpartition(":")[0] or item for item in declared.split(",") if item} or set(self.current)
+        if host in names:
+            return True
+        if host not in self._warned:
+            self._warned.add(host)
+            sys.stderr.write(f"[tf_mpi] host {host} (host discovery) was not given to mpirun at launch: ranks cannot "
+                             "be started there while this job runs\n")
+        return False
 
     def new_slots(self):
         return len(self.new_hosts())

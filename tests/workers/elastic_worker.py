@@ -202,8 +202,16 @@ def main():
 
     final = weights_vector(model)
     gathered = hvd.allgather_object(final)
+    # Re-sharding at the final size: the rows after a skip, shared without overlap and in order.
+    skip = 3 * B
+    mine = hvd.data.shard_arrays(np.arange(ROWS), batch_size=B, skip=skip)
+    shards = hvd.allgather_object(mine.tolist())
+    steps = (ROWS - skip) // (hvd.size() * B)
+    expected = list(range(skip, skip + steps * hvd.size() * B))
+    interleaved = [row for k in range(steps) for shard in shards for row in shard[k * B:(k + 1) * B]]
     result = {"size": hvd.size(), "sizes": list(state.sizes), "events": events,
-              "identical_on_every_rank": all(np.array_equal(g, final) for g in gathered)}
+              "identical_on_every_rank": all(np.array_equal(g, final) for g in gathered),
+              "reshard_covers_rest_once": interleaved == expected}
     if hvd.rank() == 0:
         reference = replay(state.sizes)
         result["max_abs_diff_vs_replay"] = float(np.max(np.abs(reference - final)))

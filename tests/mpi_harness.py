@@ -163,11 +163,11 @@ def section(name, worker, args=(), env=None):
     return {"name": name, "worker": worker, "args": list(args), "env": dict(env or {})}
 
 
-def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=False, start=False):
+def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=False, start=False, long=True):
     """shared_launch of tests/workers/_sections.py running `sections` (a list of section(...)) on np
-    ranks; the whole launch, whose run.section(name) is each section's run."""
+    ranks; the whole launch, whose run.section(name) is each section's run. Long by default."""
     return shared_launch(np, SECTIONS_WORKER, timeout=timeout, env=env, args=[json.dumps(sections)], heavy=heavy,
-                         alone=alone, start=start)
+                         alone=alone, start=start, long=long)
 
 
 # Test modules share such a launch: each module joins it at import with its own section(s), and
@@ -306,47 +306,89 @@ def _run_guarded(fn, args, kwargs, heavy, alone=False):
         _leave(alone)
 
 
-def start_shared(fn, *args, heavy=False, alone=False, **kwargs):
+class _Job:
+    """A launch started ahead of its tests: run once, by a pool thread or by the first test that
+    needs it before a pool thread has taken it (so no test waits on a launch still in the queue)."""
+
+    def __init__(self, fn, args, kwargs, heavy, alone):
+        self.fn, self.args, self.kwargs, self.heavy, self.alone = fn, args, kwargs, heavy, alone
+        self.future, self.taken = Future(), False
+
+    def run(self):
+        with _futures_lock:
+            if self.taken:
+                return
+            self.taken = True
+        try:
+            self.future.set_result(_run_guarded(self.fn, self.args, self.kwargs, self.heavy, self.alone))
+        except BaseException as e:  # every caller of this launch sees the same error
+            self.future.set_exception(e)
+
+
+_jobs = {}           # key -> _Job of a launch started ahead
+_held = None         # while the prefetches are collected (hold_starts): [(long, order, job)] not yet queued
+
+
+def hold_starts():
+    """From now on start_shared queues nothing; release_starts() queues what it was given, long first."""
+    global _held
+    _held = []
+
+
+def release_starts():
+    """Queues the launches given since hold_starts(): those marked long first (so that the longest
+    do not start last and end the session alone), the others in the order they were given."""
+    global _held
+    held, _held = _held or [], None
+    for _, _, job in sorted(held, key=lambda h: (not h[0], h[1])):
+        _executor().submit(job.run)
+
+
+def start_shared(fn, *args, heavy=False, alone=False, long=False, **kwargs):
     """Starts fn(*args, **kwargs) (a launch) in the background unless the same call was started
     already; returns its Future. heavy=True: never at the same time as another heavy launch;
-    alone=True: never at the same time as any other launch of this session."""
+    alone=True: never at the same time as any other launch of this session; long=True: a launch
+    known to take long, queued before the others (see hold_starts)."""
     key = _key_of(fn, args, kwargs)
     with _futures_lock:
         if key not in _futures:
-            _futures[key] = _executor().submit(_run_guarded, fn, args, kwargs, heavy, alone)
+            job = _jobs[key] = _Job(fn, args, kwargs, heavy, alone)
+            _futures[key] = job.future
+            if _held is not None:
+                _held.append((long, len(_held), job))
+            else:
+                _executor().submit(job.run)
         return _futures[key]
 
 
-def shared_run(fn, *args, heavy=False, alone=False, **kwargs):
+def shared_run(fn, *args, heavy=False, alone=False, long=False, **kwargs):
     """fn(*args, **kwargs) once per session: the result of the call started earlier with the same
-    arguments (waiting for it), or of this call, run now in the caller's thread and kept."""
+    arguments (run now in the caller's thread if no pool thread has taken it yet, else waited for),
+    or of this call, run now in the caller's thread and kept."""
     key = _key_of(fn, args, kwargs)
     with _futures_lock:
-        future = _futures.get(key)
-        mine = future is None
-        if mine:
-            future = _futures[key] = Future()
-    if mine:
-        try:
-            future.set_result(_run_guarded(fn, args, kwargs, heavy, alone))
-        except BaseException as e:  # every caller of this launch sees the same error
-            future.set_exception(e)
-    return future.result()
+        job = _jobs.get(key)
+        if job is None and key not in _futures:
+            job = _jobs[key] = _Job(fn, args, kwargs, heavy, alone)
+            _futures[key] = job.future
+    if job is not None:
+        job.run()  # nothing if it is running or done already
+    return _futures[key].result()
 
 
-def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, alone=False, start=False):
+def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, alone=False, start=False, long=False):
     """run_mpi(np, worker, timeout, env, args), once per session for the same arguments (see
     shared_run); start=True only starts it in the background and returns its Future."""
     call = start_shared if start else shared_run
     return call(run_mpi, np, worker, timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy,
-                alone=alone)
+                alone=alone, long=long)
 
 
-def shared_launches(worker, env=None, timeout=300):
+def shared_launches(worker, env=None, timeout=300, long=False):
     """launch(np, start=False): shared_launch of `worker` with `env` on np ranks (cached_launches,
     shared across modules and startable ahead of the tests)."""
     def launch(np, start=False):
-        return shared_launch(np, worker, timeout=timeout, env=env, start=start)
+        return shared_launch(np, worker, timeout=timeout, env=env, start=start, long=long)
     return launch
 
 

@@ -25,7 +25,8 @@ def launch(np, start=False):
 # 7 ranks: 3 past the largest power of two (4), so one rank sends the result's
 # indices to one of them and its values to another.
 GTOPK_UNEVEN = ["check_gtopk_matches_numpy_eager", "check_byte_counters_show_the_reduction"]
-launch_uneven = shared_launches(WORKER, {**ENV, "TF_MPI_TEST_ONLY": ",".join(GTOPK_UNEVEN)}, timeout=400)
+launch_uneven = shared_launches(WORKER, {**ENV, "TF_MPI_TEST_ONLY": ",".join(GTOPK_UNEVEN)}, timeout=400,
+                                long=True)  # 7 ranks on this machine: queued first
 
 
 def prefetch(items):

@@ -11,7 +11,7 @@ ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECO
 
 
 def launch(start=False):
-    return shared_launch(2, WORKER, timeout=600, env=ENV, start=start)
+    return shared_launch(2, WORKER, timeout=600, env=ENV, start=start, long=True)  # queued first
 
 
 def prefetch(items):

@@ -36,10 +36,24 @@ def _leftovers(tag):
     return [p for p in out if p != str(os.getpid())]
 
 
+# Open MPI 5.0.11 with ULFM's heartbeat thread now and then crashes a rank inside MPI_Init on a
+# loaded machine (docs/elastic.md, Limits: 3 of 18 starts at load average 20). tf_mpi then starts
+# on the ranks left, which changes the schedule a scenario checks; such a launch is run again, once.
+START_UP_CRASH = "Signal: Segmentation fault"
+
+
 def launch(name, np, min_np, max_np=None, env=None, discovery=None):
     """Runs one scenario (once per session); returns (rc, output, out_dir, leftovers)."""
     if name in _cache:
         return _cache[name]
+    first = _launch_once(name, np, min_np, max_np, env, discovery)
+    if START_UP_CRASH in first[1] and not any(f.startswith("fault") for f in os.listdir(first[2])):
+        first = _launch_once(name, np, min_np, max_np, env, discovery)
+    _cache[name] = first
+    return first
+
+
+def _launch_once(name, np, min_np, max_np, env, discovery):
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tfmpi-elastic-{name}-{uuid.uuid4().hex[:8]}")
     os.makedirs(out)
     tag = f"elastic-tag-{uuid.uuid4().hex}"
@@ -60,8 +74,7 @@ def launch(name, np, min_np, max_np=None, env=None, discovery=None):
     left = _leftovers(tag)
     for pid in left:  # never leave anything behind, even when the check below fails
         subprocess.run(["kill", "-9", pid], capture_output=True)
-    _cache[name] = (rc, output, out, left)
-    return _cache[name]
+    return rc, output, out, left
 
 
 def result(out, output):

@@ -56,6 +56,8 @@ def init(comm=None, process_sets=None):
         _core.init()
     elif isinstance(comm, (list, tuple)):
         _core.init(ranks=[int(r) for r in comm])
+    elif hasattr(comm, "py2f") and membership.enabled() and comm is membership.comm():
+        comm = _init_elastic(comm)
     elif hasattr(comm, "py2f"):
         _core.init(fortran_comm=comm.py2f())
     else:
@@ -66,6 +68,21 @@ def init(comm=None, process_sets=None):
     _install_excepthook()
     from tf_mpi import process_sets as _process_sets
     _process_sets.init_process_sets(process_sets, comm)
+
+
+def _init_elastic(comm, attempts=5):
+    """Starts the engine on elastic mode's communicator; a rank lost meanwhile is left out (the
+    survivors shrink and start again). Returns the communicator the engine runs on."""
+    from tf_mpi import membership
+    for _ in range(attempts):
+        try:
+            _core.init(fortran_comm=comm.py2f())
+            return comm
+        except _core.PeerLostError:
+            _core.shutdown()
+            comm = membership.shrink()
+    _core.init(fortran_comm=comm.py2f())
+    return comm
 
 
 _elastic_exit_registered = False

@@ -115,10 +115,23 @@ def start():
         parent.Set_errhandler(MPI.ERRORS_RETURN)
         comm = parent.Merge(high=True)
     else:
-        comm = MPI.COMM_WORLD.Dup()
+        comm = _dup_of_survivors(MPI, MPI.COMM_WORLD)
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     _comm = comm
     return comm
+
+
+def _dup_of_survivors(MPI, world):
+    """A duplicate of `world`, or of its surviving ranks where some died while the job started
+    (Open MPI 5.0.11 with ULFM's heartbeat thread now and then crashes a rank in MPI_Init)."""
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    for _ in range(5):
+        try:
+            return world.Dup()
+        except MPI.Exception:
+            world = world.Shrink()
+            world.Set_errhandler(MPI.ERRORS_RETURN)
+    return world.Dup()
 
 
 def spawned():

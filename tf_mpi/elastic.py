@@ -450,11 +450,9 @@ def _share_measurements():
     if not membership.enabled():
         return
     from tf_mpi import grouping
-    shared = broadcast_object((grouping._cost_model, dict(grouping.agreed_fingerprints)), root_rank=0,
-                              name="tfmpi.elastic.measurements")
-    grouping._cost_model = shared[0]
-    if membership.spawned() and not grouping.agreed_fingerprints:
-        grouping.inherited_fingerprints.update(shared[1])
+    cost_model, fingerprints = broadcast_object(grouping.measurements(), root_rank=0,
+                                                name="tfmpi.elastic.measurements")
+    grouping.adopt_measurements(cost_model, fingerprints, joining=membership.spawned())
 
 
 def run(func):

@@ -356,6 +356,27 @@ def make_plan(grads, variables, threshold_bytes=None, num_groups=0, groups=None,
     return plan
 
 
+def measurements():
+    """This process's cached measurements: (cost model or None, {plan name: agreed fingerprint}).
+
+    Example: ``model, fingerprints = tf_mpi.grouping.measurements()``
+    """
+    return _cost_model, dict(agreed_fingerprints)
+
+
+def adopt_measurements(cost_model, fingerprints, joining):
+    """Takes rank 0's ``measurements()`` (tf_mpi.elastic, after the ranks changed): its cost model,
+    and, on a rank that just joined a running job (``joining``), its plan fingerprints, each checked
+    locally the first time this rank builds that plan instead of collectively.
+
+    Example: ``adopt_measurements(*broadcast_object(measurements()), joining=membership.spawned())``
+    """
+    global _cost_model
+    _cost_model = cost_model
+    if joining and not agreed_fingerprints:
+        inherited_fingerprints.update(fingerprints)
+
+
 def verify_same_plan_everywhere(plan, name, process_set_id=0):
     """Raises ValueError on every rank (of the process set) if the ranks derived different plans (collective).
 

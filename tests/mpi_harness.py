@@ -76,6 +76,10 @@ def run_bounded(cmd, timeout, env, cwd=None):
     """Runs cmd (e.g. an mpirun command) in its own process group; kills the
     whole group after `timeout` s. Returns (returncode, output, elapsed, timed_out)."""
     start = time.time()
+    cpu_file = None
+    if os.environ.get("TF_MPI_TEST_LAUNCH_LOG"):
+        cpu_file = tempfile.mktemp(prefix="tfmpi-cpu-")
+        cmd = [sys.executable, "-c", _CPU_WRAPPER, cpu_file, *map(str, cmd)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                             start_new_session=True, text=True)
     timed_out = False
@@ -86,18 +90,37 @@ def run_bounded(cmd, timeout, env, cwd=None):
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
     elapsed = time.time() - start
-    _log_launch(cmd, start, elapsed, timed_out)
+    _log_launch(cmd, start, elapsed, timed_out, cpu_file)
     return proc.returncode, output, elapsed, timed_out
 
 
-def _log_launch(cmd, start, elapsed, timed_out):
+# Measuring the suite: the CPU seconds of a launch and all the processes it waited for.
+_CPU_WRAPPER = """import os, resource, signal, subprocess, sys
+rc = subprocess.call(sys.argv[2:])
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+open(sys.argv[1], "w").write(f"{ru.ru_utime + ru.ru_stime:.2f}")
+if rc < 0:
+    signal.signal(-rc, signal.SIG_DFL); os.kill(os.getpid(), -rc)
+sys.exit(rc)
+"""
+
+
+def _log_launch(cmd, start, elapsed, timed_out, cpu_file=None):
     # Measuring the suite: with TF_MPI_TEST_LAUNCH_LOG set, one line per bounded launch (what ran,
-    # when, how long), to count launches per module and see which ones overlap.
+    # when, how long, CPU seconds), to count launches per module and see which ones overlap.
     path = os.environ.get("TF_MPI_TEST_LAUNCH_LOG")
     if path:
+        cpu = None
+        if cpu_file:
+            try:
+                with open(cpu_file) as f:
+                    cpu = float(f.read())
+                os.remove(cpu_file)
+            except (OSError, ValueError):
+                pass
         with open(path, "a") as f:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "start": round(start, 2),
-                                "elapsed": round(elapsed, 2), "timed_out": timed_out,
+                                "elapsed": round(elapsed, 2), "cpu": cpu, "timed_out": timed_out,
                                 "cmd": " ".join(map(str, cmd))[-300:]}) + "\n")
 
 

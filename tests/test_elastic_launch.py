@@ -164,15 +164,27 @@ def test_usage_errors_exit_2():
     assert rc == 2 and "--max-np 2 is below --min-np 3" in out and "--min-np N" in out
 
 
-def test_spawn_info_carries_the_tf_mpi_variables():
-    items = _launcher.elastic_spawn_info("h2:2", {"TF_MPI_A": "1", "TF_MPI_B": "x y", "PATH": "/bin"})
-    assert items == [("host", "h2:2"), ("PMIX_MAPBY", "slot:OVERSUBSCRIBE"), ("PMIX_ENVAR", "TF_MPI_A=1\nTF_MPI_B=x y")]
-    assert _launcher.elastic_spawn_info(env={}) == [("PMIX_MAPBY", "slot:OVERSUBSCRIBE")]
-    env = {"TF_MPI_A": "a" * 200, "TF_MPI_ELASTIC_MIN_NP": "2", "TF_MPI_B": "b" * 60}
-    left_out = []
-    items = dict(_launcher.elastic_spawn_info(env=env, left_out=left_out))
-    assert items["PMIX_ENVAR"] == "TF_MPI_ELASTIC_MIN_NP=2\nTF_MPI_A=" + "a" * 200   # elastic first, then what fits
-    assert left_out == ["TF_MPI_B"] and len(items["PMIX_ENVAR"]) <= 255
+def test_spawn_info_and_command_carry_the_launch_variables():
+    assert _launcher.elastic_spawn_info("h2:2") == [("host", "h2:2"), ("PMIX_MAPBY", "slot:OVERSUBSCRIBE")]
+    assert _launcher.elastic_spawn_info() == [("PMIX_MAPBY", "slot:OVERSUBSCRIBE")]
+    long = "a" * 4000   # beyond an MPI_Info value's 255 characters
+    env = {"TF_MPI_B": "x y", "TF_MPI_A": long, "PATH": "/bin", "DATA": "/d", "OTHER": "o",
+           "TF_MPI_ELASTIC_FORWARD": "DATA,MISSING"}
+    command, args = _launcher.elastic_spawn_command(["train.py", "--x"], env, python="/py")
+    assert os.path.basename(command) == "env" and os.access(command, os.X_OK)
+    assert args == ["DATA=/d", "TF_MPI_A=" + long, "TF_MPI_B=x y", "TF_MPI_ELASTIC_FORWARD=DATA,MISSING",
+                    "/py", "train.py", "--x"]
+    # what the spawned process sees: exactly these values
+    out = subprocess.run([command, *args[:-3], sys.executable, "-c",
+                          "import os; print(os.environ['DATA'], len(os.environ['TF_MPI_A']), os.environ['TF_MPI_B'])"],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    assert out.split() == ["/d", "4000", "x", "y"]
+
+
+def test_elastic_launch_names_the_forwarded_variables_for_spawned_ranks():
+    _, env, _ = _launcher.elastic_launch(2, ["-x", "DATA", "--x=MODE=fast", "-x", "TF_MPI_X"], ["python", "t.py"],
+                                         {"min_np": 2, "max_np": 3}, env=_env())
+    assert env["TF_MPI_ELASTIC_FORWARD"] == "DATA,MODE,TF_MPI_X"
 
 
 # -- exit contract, with a stand-in mpirun ------------------------------------
@@ -316,7 +328,7 @@ def test_final_group_done():
 # -- real runs: one host, mpi4py programs under the elastic settings ------------
 WORKER = textwrap.dedent('''\
     """Elastic launch worker: a failure or a growth, then every rank marks itself finished."""
-    import importlib.util, os, signal, sys, time
+    import importlib.util, os, signal, socket, sys, time
     from mpi4py import MPI
     spec = importlib.util.spec_from_file_location("launcher", {run_py!r})
     launcher = importlib.util.module_from_spec(spec); spec.loader.exec_module(launcher)
@@ -351,7 +363,8 @@ WORKER = textwrap.dedent('''\
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         total = merged.allreduce(1)
         print(f"CHILD rank={{merged.Get_rank()}} size={{merged.Get_size()}} sum={{total}} "
-              f"min={{os.environ.get('TF_MPI_ELASTIC_MIN_NP')}}", flush=True)
+              f"min={{os.environ.get('TF_MPI_ELASTIC_MIN_NP')}} probe={{os.environ.get('ELASTIC_PROBE')}} "
+              f"host={{socket.gethostname()}}", flush=True)
         finish(merged, total == merged.Get_size())
     comm = MPI.COMM_WORLD.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -378,11 +391,11 @@ WORKER = textwrap.dedent('''\
     if scenario == "grow":
         max_np = int(os.environ["TF_MPI_ELASTIC_MAX_NP"])
         info = MPI.Info.Create()
-        for key, value in launcher.elastic_spawn_info():
+        for key, value in launcher.elastic_spawn_info(os.environ.get("ELASTIC_GROW_HOST")):
             info.Set(key, value)
         t = time.time()
-        inter = comm.Spawn(sys.executable, [os.path.abspath(__file__), "grow"], maxprocs=max_np - size,
-                           info=info, root=0)
+        command, args = launcher.elastic_spawn_command([os.path.abspath(__file__), "grow"])
+        inter = comm.Spawn(command, args, maxprocs=max_np - size, info=info, root=0)
         merged = inter.Merge(high=False)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         total = merged.allreduce(1)
@@ -471,6 +484,24 @@ def test_killed_rank_on_another_host(tmp_path, two_hosts):
     survivors = _lines(out, "SURVIVOR")
     assert len(survivors) == 3 and all(s["size"] == "3" and s["sum"] == "3" for s in survivors), out
     assert "elastic job: 3 rank(s) finished (min-np 3)" in out
+
+
+def test_growth_onto_another_host_gets_the_launch_variables(tmp_path, two_hosts):
+    """A rank spawned onto the second host (a login environment there) gets the variables the
+    launch forwarded with -x, not only the TF_MPI_* ones."""
+    c = two_hosts
+    worker = tmp_path / "elastic_worker.py"
+    worker.write_text(WORKER.format(run_py=RUN_PY))
+    cmd = c.command(RUN + ["-np", "2", "--min-np", "2", "--max-np", "3", "--host", f"{c.hosts[0]}:2,{c.hosts[1]}:1",
+                           "-x", "ELASTIC_PROBE", "python", str(worker), "grow"])
+    env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", ELASTIC_PROBE="forwarded-value",
+                     ELASTIC_GROW_HOST=f"{c.hosts[1]}:1"), clean_remote_env=True)
+    rc, out, _, timed_out = run_bounded(cmd, 60, env)
+    assert not timed_out and rc == 0, out
+    grown, children = _lines(out, "GROWN"), _lines(out, "CHILD")
+    assert len(grown) == 2 and len(children) == 1, out
+    assert children[0]["host"] == c.hosts[1] and children[0]["probe"] == "forwarded-value", out
+    assert children[0]["min"] == "2" and all(g["sum"] == "3" for g in grown + children), out
 
 
 def test_lost_host_ends_the_job_and_the_launcher_says_so(tmp_path, two_hosts):

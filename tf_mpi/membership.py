@@ -238,7 +238,8 @@ def grow(hosts):
     info = MPI.Info.Create()
     for key, value in launcher.elastic_spawn_info(",".join(f"{h}:{n}" for h, n in counts.items())):
         info.Set(key, value)
-    inter = _comm.Spawn(sys.executable, args=list(sys.argv), maxprocs=len(hosts), info=info, root=0)
+    command, args = launcher.elastic_spawn_command(sys.argv)
+    inter = _comm.Spawn(command, args=args, maxprocs=len(hosts), info=info, root=0)
     info.Free()
     inter.Set_errhandler(MPI.ERRORS_RETURN)
     merged = inter.Merge(high=False)

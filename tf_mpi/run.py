@@ -66,7 +66,9 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   ``TF_MPI_ELASTIC_STATUS_DIR`` (see below), ``TF_MPI_ELASTIC_CHECKPOINT_DIR`` (see relaunching
   below). :func:`parse_discovery_output` and
   :func:`discover_hosts` read a discovery script's hosts the same way the launcher does;
-  :func:`elastic_spawn_info` gives the ``MPI_Comm_spawn`` info a growing job needs.
+  :func:`elastic_spawn_info` and :func:`elastic_spawn_command` give the ``MPI_Comm_spawn`` info
+  and command line a growing job needs (``TF_MPI_ELASTIC_FORWARD`` names the job's ``-x``
+  variables, which a spawned rank gets too).
 - Exit status: ``mpirun``'s own is no guide (0 although a rank was killed; a failed rank's code
   although the others finished). Each rank that completes the training calls
   :func:`mark_worker_finished` (``ok=False`` where it ends on an error), then ``comm.Agree(1)``
@@ -610,6 +612,8 @@ def elastic_launch(np, options, program, settings, env=None, status_dir=None, ch
         env["TF_MPI_ELASTIC_STATUS_DIR"] = status_dir
     if checkpoint_dir:
         env["TF_MPI_ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir
+    # A rank spawned later gets the same variables as the first ones (elastic_spawn_command).
+    env["TF_MPI_ELASTIC_FORWARD"] = ",".join(sorted({v.split("=", 1)[0] for v in _option_values(options, {"-x", "--x"})}))
     argv, env = launch(np, (added if mpirun_is_ompi else []) + options, program, env)
     settings.update(np=np, min_np=min_np, max_np=max_np, slots=slots, discovery=discovery,
                     hosts=declared)
@@ -667,42 +671,43 @@ def mark_worker_finished(ok=True, rank=None, size=None):
     return None
 
 
-def elastic_spawn_info(host=None, env=None, left_out=None):
+def elastic_spawn_info(host=None):
     """The ``(key, value)`` MPI_Info items for ``MPI_Comm_spawn`` in an elastic job: ``host`` (e.g.
-    ``"h2:2"``, one of ``TF_MPI_ELASTIC_HOSTS``; None: Open MPI chooses), a mapping that may use a
-    slot Open MPI still counts as taken by a rank that died, and the ``TF_MPI_*`` variables of
-    ``env`` (default os.environ): a rank spawned on another host starts from that host's login
-    environment, without what ``mpirun -x`` forwarded. An info value holds at most
-    :data:`MAX_INFO_VALUE` characters: the ``TF_MPI_ELASTIC*`` variables go first, then the others
-    while they fit; the names of those that do not fit are appended to ``left_out`` (a list), for
-    the parents to send the new ranks after the merge.
+    ``"h2:2"``, one of ``TF_MPI_ELASTIC_HOSTS``; None: Open MPI chooses) and a mapping that may use
+    a slot Open MPI still counts as taken by a rank that died. The new ranks' environment comes
+    from :func:`elastic_spawn_command`.
 
     Example::
 
         info = MPI.Info.Create()
         for key, value in tf_mpi.run.elastic_spawn_info("h2:2"):
             info.Set(key, value)
-        inter = comm.Spawn(sys.executable, sys.argv, maxprocs=1, info=info)
+        command, args = tf_mpi.run.elastic_spawn_command(sys.argv)
+        inter = comm.Spawn(command, args, maxprocs=1, info=info)
     """
-    env = os.environ if env is None else env
     items = [("host", host)] if host else []
     items.append(("PMIX_MAPBY", "slot:OVERSUBSCRIBE"))
-    names = sorted((not k.startswith("TF_MPI_ELASTIC"), k) for k, v in env.items()
-                   if k.startswith("TF_MPI_") and "\n" not in v)
-    settings = []
-    for _, name in names:
-        candidate = "\n".join(settings + [f"{name}={env[name]}"])
-        if len(candidate) <= MAX_INFO_VALUE:
-            settings.append(f"{name}={env[name]}")
-        elif left_out is not None:
-            left_out.append(name)
-    if settings:
-        items.append(("PMIX_ENVAR", "\n".join(settings)))
     return items
 
 
-MAX_INFO_VALUE = 255
-"""The longest MPI_Info value Open MPI takes (MPI_MAX_INFO_VAL 256, with the terminating NUL)."""
+def elastic_spawn_command(argv, env=None, python=None):
+    """The ``(command, args)`` for ``MPI_Comm_spawn`` that run ``python argv`` (default
+    ``sys.executable``) with the variables the launch forwarded: every ``TF_MPI_*`` variable and
+    the names in ``TF_MPI_ELASTIC_FORWARD`` (the job's ``-x`` options), valued as in ``env``
+    (default os.environ). A rank spawned on another host starts from that host's login
+    environment, without what ``mpirun -x`` gave the first ranks; ``env NAME=value ...`` on the
+    command line has no length limit (an ``MPI_Info`` value holds 255 characters).
+
+    Example::
+
+        command, args = elastic_spawn_command(["train.py"], {"TF_MPI_ELASTIC": "1", "PATH": "/bin"})
+        # ("/usr/bin/env", ["TF_MPI_ELASTIC=1", sys.executable, "train.py"])
+    """
+    env = os.environ if env is None else env
+    forwarded = {n for n in env.get("TF_MPI_ELASTIC_FORWARD", "").split(",") if n}
+    names = sorted(n for n in env if n.startswith("TF_MPI_") or n in forwarded)
+    return (shutil.which("env") or "/usr/bin/env",
+            [f"{n}={env[n]}" for n in names] + [python or sys.executable] + list(argv))
 
 
 def read_marks(status_dir, printed=()):

@@ -3,7 +3,7 @@
 A test module that defines prefetch(items) gets its selected items (in run order) and starts its
 launches in the background there (mpi_harness.shared_launch(..., start=True)); its tests then take
 the shared results. Modules are asked in run order, so the launches start in the order the tests
-need them, except those marked long (sections launches, the Keras worker, compression at np=7),
+need them, except those marked long (sections launches, the Keras worker, compression at np=5),
 which are queued first so that they do not end the session alone; a test whose launch no pool
 thread has taken yet runs it itself. Nothing is launched for --collect-only.
 """

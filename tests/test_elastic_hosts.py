@@ -4,7 +4,9 @@ left, where it resumes from the last commit (TF_MPI_ELASTIC_CHECKPOINT_DIR, docs
 
 The real TensorFlow worker (tests/workers/elastic_worker.py, tape mode) trains on 2 hosts x 2
 slots; the second host is killed mid-run; the relaunched 2 ranks finish, and rank 0 checks the
-weights against a one-process replay of the committed schedule.
+weights against a one-process replay of the committed schedule. (Which hosts a relaunch uses
+when a discovery script lists the lost host again: tests/test_elastic_launch.py, with a
+stand-in mpirun.)
 """
 import json
 import os
@@ -68,6 +70,8 @@ def _train_and_kill_a_host(c, out, *extra):
                     p = json.load(f)
             except (OSError, ValueError):
                 p = {}
+            if killed_at is None and p.get("size", 4) != 4:
+                break   # a rank was lost before the kill (the start-up crash below): not this test's case
             if killed_at is None and p.get("size") == 4 and p.get("step", 0) >= KILL_AT:
                 c.kill_host(c.hosts[1])
                 killed_at = time.time()
@@ -75,8 +79,7 @@ def _train_and_kill_a_host(c, out, *extra):
             elif killed_at is not None and p:
                 resumed_at = time.time()
             time.sleep(0.2)
-        assert killed_at is not None, "".join(x for _, x in lines)[-6000:]
-        rc = proc.wait(max(1, deadline - time.time()))
+        rc = proc.wait(max(1, deadline - time.time())) if killed_at is not None else None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -90,10 +93,12 @@ def _train_and_kill_a_host(c, out, *extra):
             subprocess.run(["kill", "-9", pid], capture_output=True)
     output = "".join(x for _, x in lines)
     relaunched = [t for t, x in lines if "relaunch 1 of" in x]
-    times = {"relaunch_line": relaunched[0] - killed_at if relaunched else None,
-             "first_commit": resumed_at - killed_at if resumed_at else None}
+    times = {"killed": killed_at is not None,
+             "relaunch_line": relaunched[0] - killed_at if relaunched and killed_at else None,
+             "first_commit": resumed_at - killed_at if resumed_at and killed_at else None}
     print(f"killed {c.hosts[1]}; seconds from the kill: {times}")
     assert not left, f"left running: {left}"
+    assert killed_at is not None or "Segmentation fault" in output, output[-6000:]
     return rc, output, times
 
 
@@ -111,7 +116,15 @@ def test_lost_host_relaunch_resumes_from_the_last_commit(two_hosts):
     the lost one); they resume from the last commit and finish."""
     c = two_hosts
     out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")   # every pretend host sees it
-    rc, output, _ = _train_and_kill_a_host(c, out, "--host", c.host_list())
+    for attempt in range(2):
+        rc, output, times = _train_and_kill_a_host(c, out, "--host", c.host_list())
+        # Open MPI 5.0's heartbeat thread now and then crashes a rank inside MPI_Init
+        # (docs/elastic.md, "Limits"): the job goes on with 3 ranks and is never killed. Once more.
+        if times["killed"] or "Segmentation fault" not in output:
+            break
+        print(f"start-up failure, launching again:\n{output[-3000:]}")
+        shutil.rmtree(out, ignore_errors=True)
+        out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")
     assert rc == 0, output[-8000:]
     assert f"tf_mpi.run: lost {c.hosts[1]}: relaunch 1 of 3 with 2 rank(s) on {c.hosts[0]}" in output, output[-8000:]
     r = _result(out)
@@ -120,23 +133,6 @@ def test_lost_host_relaunch_resumes_from_the_last_commit(two_hosts):
     first_two = sizes.index(2)
     assert first_two >= KILL_AT and set(sizes[:first_two]) == {4} and set(sizes[first_two:]) == {2}, sizes
     assert first_two % 2 == 0   # resumed at a commit (every 2 steps)
-    shutil.rmtree(out, ignore_errors=True)
-
-
-def test_a_host_the_discovery_script_lists_again_is_used_by_the_relaunch(two_hosts, tmp_path):
-    """The discovery script still (again) lists the killed host, which is back (its pretend host
-    was not removed): the relaunch starts 4 ranks on both hosts, resuming from the last commit."""
-    c = two_hosts
-    out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")
-    script = tmp_path / "hosts.sh"
-    script.write_text("#!/bin/sh\n" + "".join(f"echo {h}:{c.slots}\n" for h in c.hosts))
-    script.chmod(0o755)
-    rc, output, _ = _train_and_kill_a_host(c, out, "--host-discovery-script", str(script))
-    assert rc == 0, output[-8000:]
-    assert f"tf_mpi.run: lost {c.hosts[1]}: relaunch 1 of 3 with 4 rank(s) on {c.hosts[0]},{c.hosts[1]}" in output, \
-        output[-8000:]
-    r = _result(out)
-    assert r["size"] == 4 and set(r["sizes"]) == {4}, r
     shutil.rmtree(out, ignore_errors=True)
 
 

@@ -83,7 +83,8 @@ def test_elastic_command_line_single_host():
     assert env["OMPI_MCA_btl"] == "self,sm,tcp" and env["OMPI_MCA_btl_tcp_if_include"] == "lo"
     assert {k: v for k, v in env.items() if k.startswith("TF_MPI_")} == {
         "TF_MPI_ELASTIC": "1", "TF_MPI_ELASTIC_MIN_NP": "2", "TF_MPI_ELASTIC_MAX_NP": "3",
-        "TF_MPI_ELASTIC_SLOTS": "1", "TF_MPI_ELASTIC_HOSTS": "", "TF_MPI_ELASTIC_STATUS_DIR": "/tmp/x"}
+        "TF_MPI_ELASTIC_SLOTS": "1", "TF_MPI_ELASTIC_HOSTS": "", "TF_MPI_ELASTIC_STATUS_DIR": "/tmp/x",
+        "TF_MPI_ELASTIC_FORWARD": ""}
     assert (s["np"], s["min_np"], s["max_np"]) == (2, 2, 3)
 
 
@@ -258,9 +259,9 @@ def test_launcher_ends_mpirun_once_the_final_group_is_done(fake_mpirun):
     assert "mpirun still runs: ending it" in out
 
 
-def _relaunches(fake_mpirun, tmp_path, scenario, *extra):
+def _relaunches(fake_mpirun, tmp_path, scenario, *extra, hosts=("--host", "localhost:2,b:2")):
     log = tmp_path / "calls.jsonl"
-    rc, out, _, timed_out = run_bounded(RUN + ["-np", "4", "--min-np", "2", *extra, "--host", "localhost:2,b:2",
+    rc, out, _, timed_out = run_bounded(RUN + ["-np", "4", "--min-np", "2", *extra, *hosts,
                                                "python", "t.py"], 60,
                                         _env(TF_MPI_MPIRUN=fake_mpirun, FAKE_SCENARIO=scenario, FAKE_LOG=str(log)))
     assert not timed_out, out
@@ -279,6 +280,19 @@ def test_a_lost_host_relaunches_on_the_hosts_left(fake_mpirun, tmp_path):
     assert not os.path.exists(first["checkpoint"])
     assert f"tf_mpi.run: lost b: relaunch 1 of 3 with 2 rank(s) on localhost, resuming from {first['checkpoint']}" in out
     assert "mpirun lost a host" in out and "elastic job: 2 rank(s) finished (min-np 2)" in out
+
+
+def test_a_host_the_discovery_script_lists_again_is_used_by_the_relaunch(fake_mpirun, tmp_path):
+    """The relaunch asks the discovery script again: a lost host it still lists (it came back) is
+    used, with all its slots; one it no longer lists is not."""
+    listing = tmp_path / "listing"
+    listing.write_text("localhost:2\nb:2\n")
+    script = _script(tmp_path, "hosts.sh", f"#!/bin/sh\ncat {listing}\n")
+    rc, out, calls = _relaunches(fake_mpirun, tmp_path, "lost_then_ok", hosts=("--host-discovery-script", script))
+    assert rc == 0 and len(calls) == 2, out
+    assert calls[0]["argv"][:2] == ["-np", "4"] and "localhost:2,b:2" in calls[0]["argv"], calls
+    assert calls[1]["argv"][:2] == ["-np", "4"] and "localhost:2,b:2" in calls[1]["argv"], calls
+    assert "tf_mpi.run: lost b: relaunch 1 of 3 with 4 rank(s) on localhost,b" in out, out
 
 
 def test_relaunch_limits_and_a_given_checkpoint_dir(fake_mpirun, tmp_path):

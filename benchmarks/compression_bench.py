@@ -41,7 +41,7 @@ from bench_models import MODELS  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
 from tf_mpi.basics import _core  # noqa: E402
-from tf_mpi.topk_compression import select_topk  # noqa: E402
+from tf_mpi.policy.topk_compression import select_topk  # noqa: E402
 
 MODES = ("none", "fp16", "topk", "gtopk")
 

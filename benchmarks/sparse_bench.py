@@ -3,7 +3,7 @@
 Per rank, ``--rows`` looked-up ids drawn uniformly from a ``--vocab`` x ``--width``
 float32 table (the LSTM benchmark's Embedding: 64 x 100 ids of 20000 x 128), for
 each ``--rows`` value given. Each mode is one tf.function that reduces the
-gradient with tf_mpi.reducer.GradientReducer (what DistributedOptimizer runs) and
+gradient with tf_mpi.policy.reducer.GradientReducer (what DistributedOptimizer runs) and
 then densifies the result (``--optimizer none``) or applies it to the table with
 Keras' Adam or plain SGD (``--optimizer adam|sgd``: what the training step does
 next; ``local`` applies this rank's own gradient, what one process does), timed
@@ -98,7 +98,7 @@ def train_steps(args, record):
     sys.path.insert(0, os.path.dirname(HERE))
     import tf_mpi.keras as hvd
     from bench_models import MODELS
-    from tf_mpi import sparse
+    from tf_mpi.policy import sparse
     hvd.init()
     rank = hvd.rank()
     spec = MODELS["lstm"]
@@ -187,9 +187,9 @@ def main():
     tf.config.threading.set_inter_op_parallelism_threads(1)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_mpi as hvd
-    from tf_mpi import sparse
+    from tf_mpi.policy import sparse
     from tf_mpi.basics import _core
-    from tf_mpi.reducer import GradientReducer
+    from tf_mpi.policy.reducer import GradientReducer
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     table = keras.Variable(np.zeros([args.vocab, args.width], np.float32), name="table")

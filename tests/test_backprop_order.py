@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras
-from tf_mpi.backprop_order import _ancestors, order_backprop
+from tf_mpi.policy.backprop_order import _ancestors, order_backprop
 
 
 def _model():

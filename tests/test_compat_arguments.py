@@ -9,12 +9,12 @@ import pytest
 
 @pytest.fixture
 def fresh_warnings():
-    from tf_mpi import _compat
-    _compat._warned.clear()
+    from tf_mpi import _unused_arguments
+    _unused_arguments._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield caught
-    _compat._warned.clear()
+    _unused_arguments._warned.clear()
 
 
 def _messages(caught):

@@ -1,11 +1,11 @@
-"""The grouping plan's cut rules (tf_mpi/grouping.py, rules a-e of its docstring) on synthetic
+"""The grouping plan's cut rules (tf_mpi/policy/grouping.py, rules a-e of its docstring) on synthetic
 layer lists, then on the benchmark models' layer lists (single process; the plan on a real model
 and its agreement across ranks are checked in keras_worker.py)."""
 import random
 
 import pytest
 
-from tf_mpi.grouping import MIN_GROUP_COST_FACTOR, CostModel, Group, Plan, _cut_when_bandwidth_bound, layer_of
+from tf_mpi.policy.grouping import MIN_GROUP_COST_FACTOR, CostModel, Group, Plan, _cut_when_bandwidth_bound, layer_of
 
 # alpha 50 us, beta 1 ns/B: break-even 50 kB, so with full overlap a group is bandwidth-bound
 # from 200 kB (MIN_GROUP_COST_FACTOR x break-even).

@@ -30,9 +30,9 @@ TF_MPI_ADDITIONS = {"grouped_broadcast", "barrier", "mpi_built_with_cuda_support
                     "grouping"}
 PUBLIC_API = HOROVOD_NAMES | TF_MPI_ADDITIONS
 # Implementation modules: importable, reachable as attributes, never exported.
-INTERNALS = {"basics", "compression", "functions", "gradient_tape", "ops", "reducer", "_core"}
+INTERNALS = {"basics", "functions", "gradient_tape", "ops", "_core"}
 # Modules of the public API whose public functions and classes are documented with an example too.
-API_MODULES = ["tf_mpi.data", "tf_mpi.grouping", "tf_mpi.elastic", "tf_mpi.keras.callbacks",
+API_MODULES = ["tf_mpi.data", "tf_mpi.policy.grouping", "tf_mpi.elastic", "tf_mpi.keras.callbacks",
                "tf_mpi.keras.elastic", "tf_mpi.keras.schedules"]
 
 
@@ -103,10 +103,31 @@ def test_internals_stay_importable():
     assert tf_mpi.__version__ == "0.1.0"
     assert tf_mpi.allreduce is tf_mpi.ops.allreduce and tf_mpi.Sum == tf_mpi.basics.Sum
     assert tf_mpi.basics._core is tf_mpi._core
-    assert tf_mpi.reducer.GradientReducer is importlib.import_module("tf_mpi.reducer").GradientReducer
+    assert tf_mpi.gradient_tape.DistributedGradientTape is tf_mpi.DistributedGradientTape
+    assert tf_mpi.Compression is importlib.import_module("tf_mpi.policy.compression").Compression
     assert tf_mpi.SyncBatchNormalization is tf_mpi.keras.SyncBatchNormalization
     with pytest.raises(AttributeError):
         tf_mpi.no_such_name
+
+
+# Public module paths whose code lives in a subpackage (tf_mpi/README.md), and the tools run as
+# ``python -m tf_mpi.<tool>``.
+PUBLIC_PATHS = {"tf_mpi.grouping": "tf_mpi.policy.grouping", "tf_mpi.predict": "tf_mpi.tools.predict",
+                "tf_mpi.timeline_analysis": "tf_mpi.tools.timeline_analysis",
+                "tf_mpi.timeline_plot": "tf_mpi.tools.timeline_plot"}
+
+
+def test_public_paths_are_the_modules_where_the_code_lives():
+    import tf_mpi
+    for path, home in PUBLIC_PATHS.items():
+        assert importlib.import_module(path) is importlib.import_module(home), path
+    assert tf_mpi.grouping is importlib.import_module("tf_mpi.policy.grouping")
+    from tf_mpi.grouping import make_plan
+    assert make_plan is tf_mpi.grouping.make_plan
+    for tool, args, rc in (("predict", ["--help"], 0), ("timeline_plot", ["--help"], 0), ("timeline_analysis", [], 2)):
+        run = subprocess.run([sys.executable, "-m", f"tf_mpi.{tool}", *args], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == rc and f"usage: python -m tf_mpi.{tool}" in run.stdout + run.stderr, (tool, run)
 
 
 def test_keras_package_exports_the_api_and_its_keras_names():

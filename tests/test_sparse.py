@@ -1,4 +1,4 @@
-"""Sparse (IndexedSlices) gradients, tf_mpi.sparse: the deduplicated exchange against the dense
+"""Sparse (IndexedSlices) gradients, tf_mpi.policy.sparse: the deduplicated exchange against the dense
 reduction and a numpy reference ("dedup"'s IndexedSlices: each touched row once, in rank order;
 duplicates inside and across ranks, an empty rank, every row touched;
 float32/float16/bfloat16; Sum and Average), bit-identical results on every rank, the

@@ -38,8 +38,10 @@ The public API (``__all__``, what ``from tf_mpi import *`` binds):
   reduced together).
 
 The implementation modules (``basics``, ``ops``, ``functions``,
-``compression``, ``gradient_tape``, ``reducer``, ``_core``) stay importable
-(``import tf_mpi.ops``, ``tf_mpi.ops``) but are not part of ``__all__``.
+``gradient_tape``, ``_core``) stay importable (``import tf_mpi.ops``,
+``tf_mpi.ops``) but are not part of ``__all__``. How gradients are reduced
+is in ``tf_mpi.policy`` (``tf_mpi.policy.reducer``, ``tf_mpi.policy.sparse``,
+...), the command-line tools in ``tf_mpi.tools``.
 
 The names are loaded on first use (PEP 562), so that tools that do not
 need TensorFlow (``python -m tf_mpi.run``, the timeline tools) start without
@@ -61,7 +63,7 @@ _API = {
         "start_timeline", "stop_timeline",
         "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
     ),
-    "compression": ("Compression",),
+    "policy.compression": ("Compression",),
     "ops": (
         "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
         "grouped_broadcast", "alltoall", "reducescatter", "grouped_reducescatter",
@@ -85,7 +87,7 @@ _ORIGIN["_executing_eagerly"] = "util"
 _API_MODULES = ("data", "grouping", "elastic")
 # Implementation modules: reachable as attributes (``tf_mpi.ops``, ``tf_mpi.basics._core``), as they
 # were when the package imported everything eagerly, but not exported.
-_SUBMODULES = (*_API_MODULES, "basics", "compression", "functions", "gradient_tape", "ops", "reducer", "_core",
+_SUBMODULES = (*_API_MODULES, "basics", "functions", "gradient_tape", "ops", "_core",
                "mpi_ops", "util")  # the last two at Horovod's module paths (horovod.tensorflow.mpi_ops, .util)
 
 __all__ = [name for name in _ORIGIN if not name.startswith("_")] + list(_API_MODULES)

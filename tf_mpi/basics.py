@@ -8,7 +8,7 @@ import sys
 import traceback
 import warnings
 
-from tf_mpi._compat import warn_unused_argument
+from tf_mpi._unused_arguments import warn_unused_argument
 from tf_mpi.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401  (re-exported)
 
 try:

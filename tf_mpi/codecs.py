@@ -2,7 +2,7 @@
 
 The plain ones (none, fp16) need no communication of their own; the collectives (tf_mpi.ops)
 take them as ``compression=``. The sparsifying ones, which do communicate, are in
-tf_mpi.topk_compression; tf_mpi.compression gathers all of them as ``hvd.Compression``."""
+tf_mpi.policy.topk_compression; tf_mpi.policy.compression gathers all of them as ``hvd.Compression``."""
 import tensorflow as tf
 
 

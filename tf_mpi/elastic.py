@@ -51,7 +51,7 @@ import cloudpickle
 import tensorflow as tf
 
 from tf_mpi import basics, membership
-from tf_mpi._compat import warn_unused_argument
+from tf_mpi._unused_arguments import warn_unused_argument
 from tf_mpi.functions import broadcast_object, broadcast_variables
 
 
@@ -449,7 +449,7 @@ def _share_measurements():
     others never join: their functions were traced already)."""
     if not membership.enabled():
         return
-    from tf_mpi import grouping
+    from tf_mpi.policy import grouping
     cost_model, fingerprints = broadcast_object(grouping.measurements(), root_rank=0,
                                                 name="tfmpi.elastic.measurements")
     grouping.adopt_measurements(cost_model, fingerprints, joining=membership.spawned())

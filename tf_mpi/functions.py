@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_mpi import basics, process_sets
-from tf_mpi._compat import warn_unused_argument
+from tf_mpi._unused_arguments import warn_unused_argument
 from tf_mpi.basics import _check_process_set
 from tf_mpi.ops import grouped_broadcast
 

@@ -2,10 +2,10 @@
 import tensorflow as tf
 
 from tf_mpi.basics import Average
-from tf_mpi.compression import Compression
+from tf_mpi.policy.compression import Compression
 from tf_mpi.basics import _check_process_set
-from tf_mpi.variable_identity import variable_key
-from tf_mpi.reducer import GradientReducer, check_groups, mark_reduced
+from tf_mpi.policy.variable_identity import variable_key
+from tf_mpi.policy.reducer import GradientReducer, check_groups, mark_reduced
 
 
 def _new_object(grad):
@@ -31,10 +31,10 @@ class DistributedGradientTape(tf.GradientTape):
     Gradients are grouped by backprop order (see ``tf_mpi.grouping``) so that,
     inside ``tf.function``, communication overlaps the rest of backprop. With
     one TensorFlow inter-op thread pass ``order_backprop=True`` for that
-    overlap (see ``tf_mpi.backprop_order``). ``name`` prefixes the
+    overlap (see ``tf_mpi.policy.backprop_order``). ``name`` prefixes the
     collectives' names; ``local_variables`` are registered with
     ``register_local_source``; ``sparse`` chooses how IndexedSlices gradients
-    travel ("allgather", "dense", "dedup", "auto"; see tf_mpi.sparse).
+    travel ("allgather", "dense", "dedup", "auto"; see tf_mpi.policy.sparse).
 
     Sources registered with ``register_local_source`` (model parallelism, as
     in Horovod) keep their local gradient, divided by size() unless

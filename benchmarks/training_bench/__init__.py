@@ -132,7 +132,7 @@ USER_MODELS = ["lstm_user", "mlp_user"]
 # Models with an IndexedSlices gradient (an Embedding's), for which tf_mpi can
 # densify it before an allreduce (the default here) or allgather it.
 SPARSE_GRADIENT_MODELS = ["lstm", "lstm_user"]
-# How an IndexedSlices gradient travels: DistributedOptimizer(sparse=...) (tf_mpi.sparse);
-# "default" passes no sparse= (tf_mpi.sparse.DEFAULT_MODE), what the *_user models get.
+# How an IndexedSlices gradient travels: DistributedOptimizer(sparse=...) (tf_mpi.policy.sparse);
+# "default" passes no sparse= (tf_mpi.policy.sparse.DEFAULT_MODE), what the *_user models get.
 SPARSE_NAMES = ["dense", "allgather", "dedup", "auto", "default"]
 RESULT_PREFIX = "RESULT "

@@ -44,8 +44,8 @@ def _between_sections():
             basics.shutdown()
     # What a fresh process would not have: the grouping plan's cost model measured (and cached) by an
     # earlier section under its settings, and Keras's layer-name counters.
-    if "tf_mpi.grouping" in sys.modules:
-        sys.modules["tf_mpi.grouping"]._cost_model = None
+    if "tf_mpi.policy.grouping" in sys.modules:
+        sys.modules["tf_mpi.policy.grouping"]._cost_model = None
     if "keras" in sys.modules:
         sys.modules["keras"].backend.clear_session()
     _world().Barrier()

@@ -192,8 +192,8 @@ def check_broadcast_variables_takes_horovods_parameters():
     def values(r, k):
         return np.arange(3, dtype=np.float32) + 10 * r + k
 
-    from tf_mpi import _compat
-    _compat._warned.clear()
+    from tf_mpi import _unused_arguments
+    _unused_arguments._warned.clear()
     for k, inplace in enumerate((False, True, True)):
         v = tf.Variable(values(R, k))
         with warnings.catch_warnings(record=True) as caught:

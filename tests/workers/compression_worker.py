@@ -66,7 +66,7 @@ def np_topk(accs, k):
 
 
 def np_gtopk(accs, k):
-    """The recursive-doubling merge of tf_mpi.topk_compression, simulated for all ranks."""
+    """The recursive-doubling merge of tf_mpi.policy.topk_compression, simulated for all ranks."""
     n_ranks, n = len(accs), accs[0].size
     pow2 = 1 << (n_ranks.bit_length() - 1)
     local = [np_select(acc, k) for acc in accs]

@@ -213,7 +213,7 @@ def check_grouping_plan_follows_backprop_and_byte_bound():
 
 def check_overlap_probe_tells_background_communication_from_a_shared_core():
     import threading
-    from tf_mpi.overlap_probe import measure_overlap
+    from tf_mpi.policy.overlap_probe import measure_overlap
     # A "computation" that leaves the CPU free (as a GPU would): the allreduce hides behind it.
     # Best of 3 probes (a fixed count, so every rank runs the same collectives): on a machine
     # busy with other work one probe in several read ~0.4; a broken probe reads ~0 every time.

@@ -528,8 +528,8 @@ def check_tape_in_a_tf1_graph_with_session_run():
     """Horovod's suite runs its tests in a TF1-style graph too: DistributedGradientTape.gradient builds
     the reduction in a tf.Graph and Session.run computes it. The grouping plan's start-up probes run
     there without an eager context (measured again here: the cached cost model is dropped first)."""
-    import tf_mpi.grouping
-    tf_mpi.grouping._cost_model = None
+    import tf_mpi.policy.grouping
+    tf_mpi.policy.grouping._cost_model = None
     forced_overlap = os.environ.pop("TF_MPI_OVERLAP", None)   # the launch skips the overlap probe
     try:
         _tape_in_a_tf1_graph()
@@ -539,7 +539,7 @@ def check_tape_in_a_tf1_graph_with_session_run():
 
 
 def _tape_in_a_tf1_graph():
-    import tf_mpi.grouping
+    import tf_mpi.policy.grouping
     c1, c2 = rank_constants((4,), 60), rank_constants((3, 2), 61)
     with tf.Graph().as_default():
         w1, w2 = tf.Variable(np.ones(4, np.float32)), tf.Variable(np.ones((3, 2), np.float32))
@@ -549,7 +549,7 @@ def _tape_in_a_tf1_graph():
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             g1, g2 = session.run(grads)
-    assert tf_mpi.grouping._cost_model is not None   # the probe ran, in graph mode
+    assert tf_mpi.policy.grouping._cost_model is not None   # the probe ran, in graph mode
     assert np.allclose(g1, gathered(c1).mean(0), rtol=1e-6) and np.allclose(g2, gathered(c2).mean(0), rtol=1e-6)
 
 

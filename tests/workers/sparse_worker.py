@@ -1,4 +1,4 @@
-"""Sparse-gradient checks (tf_mpi.sparse), run on every rank by tests/test_sparse.py.
+"""Sparse-gradient checks (tf_mpi.policy.sparse), run on every rank by tests/test_sparse.py.
 
 Every rank builds every rank's IndexedSlices from the same seeds, so it can
 compute the exact reduction in numpy on its own. Values are small integers:
@@ -22,9 +22,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_mpi.keras as hvd  # noqa: E402
-from tf_mpi import sparse  # noqa: E402
+from tf_mpi.policy import sparse  # noqa: E402
 from tf_mpi.basics import _core  # noqa: E402
-from tf_mpi.reducer import GradientReducer  # noqa: E402
+from tf_mpi.policy.reducer import GradientReducer  # noqa: E402
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()

@@ -105,7 +105,7 @@ def check_overlap_is_zero_without_probing_where_ranks_share_every_core():
     launches: 2 or 3 ranks on a machine of at most 2 cores, or ranks bound to one core), the
     overlap is 0.0 after one collective (rank 0's answer), instead of ~1 s of probing; elsewhere
     the probe runs as before."""
-    from tf_mpi import overlap_probe
+    from tf_mpi.policy import overlap_probe
     expected = not tf.config.list_physical_devices("GPU") and min(
         len(os.sched_getaffinity(0)), os.cpu_count() / _core.local_size()) <= 1
     assert overlap_probe.shares_cores_with_backprop() == expected

@@ -31,7 +31,7 @@ from tf_mpi import *  # noqa: F401,F403  (init, rank, size, ... as in tf_mpi)
 from tf_mpi import ops as _ops
 from tf_mpi.basics import Average as _Average
 from tf_mpi.basics import Sum as _Sum
-from tf_mpi.compression import Compression as _Compression
+from tf_mpi.policy.compression import Compression as _Compression
 from tf_mpi.keras import callbacks  # noqa: F401
 # The Keras elastic module (KerasState and callbacks), not tf_mpi.elastic that the * import bound.
 elastic = _importlib.import_module("tf_mpi.keras.elastic")
@@ -39,7 +39,7 @@ from tf_mpi.keras import optimizer as _optimizer  # noqa: E402
 from tf_mpi.keras.optimizer import load_model  # noqa: F401,E402
 from tf_mpi.keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401,E402
 from tf_mpi.basics import _check_process_set  # noqa: E402
-from tf_mpi.reducer import check_groups as _check_groups  # noqa: E402
+from tf_mpi.policy.reducer import check_groups as _check_groups  # noqa: E402
 
 __all__ = [*_tf_mpi.__all__, "callbacks", "load_model", "PartialDistributedOptimizer"]
 
@@ -95,7 +95,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         the ranks exchange only the touched rows, the optimizer gets each touched row once as
         IndexedSlices) or "auto" (per tensor and step, dedup's exchange or a dense allreduce by
         measured cost; the optimizer gets a dense gradient). None: "dense" with
-        ``sparse_as_dense=True``, else "allgather". See tf_mpi.sparse and docs/sparse-gradients.md.
+        ``sparse_as_dense=True``, else "allgather". See tf_mpi.policy.sparse and docs/sparse-gradients.md.
 
     Gradients that ``DistributedGradientTape`` returned, given unchanged to
     ``apply_gradients`` / ``apply``, are applied without a second reduction.

@@ -16,10 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_mpi import basics
-from tf_mpi._compat import warn_unused_argument
+from tf_mpi._unused_arguments import warn_unused_argument
 from tf_mpi.functions import broadcast_variables
 from tf_mpi.ops import _on_device
-from tf_mpi.variable_identity import variable_key
+from tf_mpi.policy.variable_identity import variable_key
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]

@@ -26,7 +26,7 @@ has a test in tests/workers/keras_worker.py or optimizer_compat_worker.py):
   ``iterations`` still counts every pass, as Horovod's does, so learning-rate
   schedules and Adam's bias correction see the pass count.
 - Gradients returned by ``DistributedGradientTape`` (marked by it, see
-  ``tf_mpi.reducer.mark_reduced``) are applied without a second reduction:
+  ``tf_mpi.policy.reducer.mark_reduced``) are applied without a second reduction:
   Horovod's optimizer reduces only in ``compute_gradients``, so a tape's
   gradients given to its ``apply_gradients`` are reduced once.
 - ``Compression.topk`` / ``gtopk``: the error-feedback residuals are optimizer
@@ -40,10 +40,10 @@ import keras
 import tensorflow as tf
 
 from tf_mpi.basics import Adasum, Average, Sum
-from tf_mpi.compression import Compression
+from tf_mpi.policy.compression import Compression
 from tf_mpi.basics import _check_process_set
-from tf_mpi.variable_identity import variable_key
-from tf_mpi.reducer import GradientReducer, check_groups, is_reduced, map_gradient
+from tf_mpi.policy.variable_identity import variable_key
+from tf_mpi.policy.reducer import GradientReducer, check_groups, is_reduced, map_gradient
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -237,7 +237,7 @@ def _distributed_optimizer(optimizer, name=None, device_dense="", device_sparse=
                            groups=None, scale_local_gradients=True, order_backprop=None, sparse=None,
                            process_set=None):
     """The distributed copy of `optimizer` behind both DistributedOptimizer entry points (arguments
-    already checked by them; ``groups`` as returned by ``tf_mpi.reducer.check_groups``).
+    already checked by them; ``groups`` as returned by ``tf_mpi.policy.reducer.check_groups``).
 
     Example: ``_distributed_optimizer(keras.optimizers.SGD(0.1), op=hvd.Sum)``
     """
@@ -278,7 +278,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     """``tf_mpi.DistributedOptimizer``: ``tf_mpi.keras.DistributedOptimizer`` with the parameters of
     ``horovod.tensorflow.DistributedOptimizer``, in its order. Given a TF1
     optimizer (``tf.compat.v1.train.Optimizer``) it returns Horovod's TF1
-    wrapper instead (``tf_mpi.legacy_optimizer``: ``compute_gradients``
+    wrapper instead (``tf_mpi.compat.legacy_optimizer``: ``compute_gradients``
     returns reduced gradients).
 
     That order differs from the Keras one: ``use_locking`` third, then
@@ -302,7 +302,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("tf_mpi: gradient_predivide_factor needs op=Average (as in Horovod)")
     groups = check_groups(num_groups, groups)
-    from tf_mpi import legacy_optimizer  # a TF1 optimizer: Horovod's TF1 wrapper (tf_mpi.legacy_optimizer)
+    from tf_mpi.compat import legacy_optimizer  # a TF1 optimizer: Horovod's TF1 wrapper (tf_mpi.compat.legacy_optimizer)
     if legacy_optimizer.is_legacy_optimizer(optimizer):
         return legacy_optimizer.distributed_legacy_optimizer(
             optimizer, name, use_locking, device_dense, device_sparse, compression, sparse_as_dense,

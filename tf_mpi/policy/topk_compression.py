@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from tf_mpi import basics, ops
 from tf_mpi.basics import Average, Sum
-from tf_mpi.variable_identity import variable_key
+from tf_mpi.policy.variable_identity import variable_key
 
 _INDEX_DTYPE = tf.int32
 

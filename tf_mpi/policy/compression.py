@@ -1,7 +1,7 @@
 """Gradient compression on the wire (Horovod's ``hvd.Compression``): the plain codecs of
-tf_mpi.codecs and the sparsifying compressors of tf_mpi.topk_compression under one name."""
+tf_mpi.codecs and the sparsifying compressors of tf_mpi.policy.topk_compression under one name."""
 from tf_mpi.codecs import Compressor, FP16Compressor, NoneCompressor  # noqa: F401  (Horovod's module has them)
-from tf_mpi.topk_compression import GTopKCompressor, TopKCompressor
+from tf_mpi.policy.topk_compression import GTopKCompressor, TopKCompressor
 
 
 class Compression:
@@ -39,7 +39,7 @@ class Compression:
     def gtopk(ratio):
         """Global top-k: every rank applies the same ceil(ratio * n) entries of the summed sparse gradients.
 
-        Merged pairwise in log2(size()) rounds; see tf_mpi.topk_compression.
+        Merged pairwise in log2(size()) rounds; see tf_mpi.policy.topk_compression.
 
         Example: ``hvd.DistributedGradientTape(tape, compression=hvd.Compression.gtopk(0.01))``
         """

@@ -37,9 +37,9 @@ import tensorflow as tf
 
 from tf_mpi import process_sets
 from tf_mpi.basics import Adasum, Average
-from tf_mpi.compression import Compression
-from tf_mpi.variable_identity import variable_key
-from tf_mpi.reducer import GradientReducer
+from tf_mpi.policy.compression import Compression
+from tf_mpi.policy.variable_identity import variable_key
+from tf_mpi.policy.reducer import GradientReducer
 
 LegacyOptimizer = tf.compat.v1.train.Optimizer
 
@@ -202,7 +202,7 @@ def distributed_legacy_optimizer(optimizer, name=None, use_locking=False, device
                                  groups=None, process_set=None, scale_local_gradients=True, sparse=None,
                                  order_backprop=None):
     """The wrapper ``tf_mpi.DistributedOptimizer`` returns for a TF1 optimizer (its arguments already
-    checked there; ``groups`` as ``tf_mpi.reducer.check_groups`` returns it).
+    checked there; ``groups`` as ``tf_mpi.policy.reducer.check_groups`` returns it).
 
     Example: ``distributed_legacy_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Sum)``
     """

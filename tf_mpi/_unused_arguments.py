@@ -9,7 +9,7 @@ Plain Python (no TensorFlow), so tf_mpi.basics can use it.
 
 Example::
 
-    from tf_mpi._compat import warn_unused_argument
+    from tf_mpi._unused_arguments import warn_unused_argument
 
     def start_timeline(file_path, mark_cycles=False):
         if mark_cycles:

@@ -37,7 +37,7 @@ CUDA-aware transfer of device memory overlaps it.
 Example::
 
     import tf_mpi as hvd
-    from tf_mpi.overlap_probe import measure_overlap
+    from tf_mpi.policy.overlap_probe import measure_overlap
     hvd.init()
     print(measure_overlap())   # e.g. 0.0 with 2 ranks on 2 busy cores
 """

@@ -9,10 +9,11 @@ import warnings
 
 import tensorflow as tf
 
-from tf_mpi import backprop_order, basics, grouping, ops, process_sets, sparse as sparse_gradients
+from tf_mpi import basics, ops, process_sets
+from tf_mpi.policy import backprop_order, grouping, sparse as sparse_gradients
 from tf_mpi.basics import Adasum, Average, Max, Min, Product, Sum
-from tf_mpi.compression import Compression
-from tf_mpi.variable_identity import variable_key
+from tf_mpi.policy.compression import Compression
+from tf_mpi.policy.variable_identity import variable_key
 
 # Reductions a gradient reducer passes to the allreduce (Horovod's tape takes any op).
 GRADIENT_OPS = (Average, Sum, Min, Max, Product, Adasum)
@@ -86,14 +87,14 @@ class GradientReducer:
       sparse_as_dense: densify IndexedSlices instead of allgathering them
         (Horovod's flag; the same as sparse="dense").
       sparse: how IndexedSlices gradients are reduced: "allgather", "dense",
-        "dedup" or "auto" (tf_mpi.sparse); None: "dense" with
-        sparse_as_dense, else tf_mpi.sparse.DEFAULT_MODE.
+        "dedup" or "auto" (tf_mpi.policy.sparse); None: "dense" with
+        sparse_as_dense, else tf_mpi.policy.sparse.DEFAULT_MODE.
       gradient_predivide_factor: with op=Average, divide by this before the sum
         and by size/factor after it (splits the averaging to avoid overflow).
       num_groups, groups, threshold_bytes: see tf_mpi.grouping.make_plan; an integer
         ``groups`` is Horovod's number of groups (``num_groups``).
       order_backprop: make backprop finish each group's gradients before it
-        starts on the layers below (tf_mpi.backprop_order); None: the
+        starts on the layers below (tf_mpi.policy.backprop_order); None: the
         TF_MPI_ORDER_BACKPROP environment variable (default off).
       scale_local_gradients: gradients of variables registered with
         ``register_local`` are never reduced; if True (Horovod's default) they
@@ -177,7 +178,7 @@ class GradientReducer:
         return self.op, 1.0, 1.0
 
     def _reduce_sparse(self, grad, name):
-        """One IndexedSlices gradient, by self.sparse: allgathered (Horovod) or by tf_mpi.sparse."""
+        """One IndexedSlices gradient, by self.sparse: allgathered (Horovod) or by tf_mpi.policy.sparse."""
         if self.sparse == "allgather":
             return ops.allreduce(grad, op=self.op, name=name, compression=self.compression,
                                  device_sparse=self.device_sparse, process_set=self.process_set)

@@ -137,7 +137,7 @@ def measure_costs(rows=4096, width=128, repeats=7, table_rows=None):
 
     Example::
 
-        costs = tf_mpi.sparse.measure_costs()   # on every rank
+        costs = tf_mpi.policy.sparse.measure_costs()   # on every rank
         print(f"dedup pays while touched rows < {costs.dedup_threshold:.2f} x table rows")
     """
     table_rows = 2 * rows if table_rows is None else max(int(table_rows), rows)
@@ -180,7 +180,7 @@ def measure_costs(rows=4096, width=128, repeats=7, table_rows=None):
 def measured_costs():
     """The SparseCostModel this process measured last, or None before ``measure_costs`` ran (no collective).
 
-    Example: ``costs = tf_mpi.sparse.measured_costs()`` after a training step with ``sparse="auto"``
+    Example: ``costs = tf_mpi.policy.sparse.measured_costs()`` after a training step with ``sparse="auto"``
     """
     return next(reversed(_costs.values()), None)
 

@@ -1,12 +1,16 @@
-"""Losing a whole host in elastic mode, on pretend hosts (tests/cluster.py): Open MPI 5.0 ends
-the job when a host's daemon goes, and ``python -m tf_mpi.run`` starts it again on the hosts
-left, where it resumes from the last commit (TF_MPI_ELASTIC_CHECKPOINT_DIR, docs/elastic.md).
+"""Losing a whole host in elastic mode and growing back when it returns, on pretend hosts
+(tests/cluster.py). Open MPI 5.0 ends the job when a host's daemon goes, and ``python -m
+tf_mpi.run`` starts it again on the hosts the discovery script lists, where it resumes from the
+last commit (TF_MPI_ELASTIC_CHECKPOINT_DIR, docs/elastic.md); a host listed again later (not
+given to that mpirun, so ranks cannot be spawned there) makes the ranks end at the next commit
+and the launcher start the job once more with it.
 
 The real TensorFlow worker (tests/workers/elastic_worker.py, tape mode) trains on 2 hosts x 2
-slots; the second host is killed mid-run; the relaunched 2 ranks finish, and rank 0 checks the
-weights against a one-process replay of the committed schedule. (Which hosts a relaunch uses
-when a discovery script lists the lost host again: tests/test_elastic_launch.py, with a
-stand-in mpirun.)
+slots; the second host is killed mid-run (and dropped from the discovery script's listing); the
+relaunched 2 ranks train; the host is listed again; the job ends at a commit and 4 ranks on both
+hosts finish. Rank 0 checks the weights against a one-process replay of the committed schedule.
+(Which hosts a relaunch uses when the script still lists the lost host: tests/test_elastic_launch.py,
+with a stand-in mpirun.)
 """
 import json
 import os
@@ -45,14 +49,26 @@ def _env(**extra):
     return env
 
 
-def _train_and_kill_a_host(c, out, *extra):
-    """Launches the worker on both hosts, kills the second one once rank 0 committed step
-    KILL_AT, and waits for the launcher. Returns (rc, output, times): seconds from the kill to
-    the launcher's relaunch line and to the relaunched job's first commit."""
+def _progress(out):
+    try:
+        with open(os.path.join(out, "progress.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _lose_a_host_and_get_it_back(c, out, listing, script):
+    """Launches the worker through the discovery script (both hosts listed), kills the second host
+    once rank 0 committed step KILL_AT at size 4 (dropping it from the listing first), lists it
+    again once the relaunched job committed at size 2, and waits for the launcher. Returns
+    (rc, output, seconds from the kill to the first commit at size 2, True where the job was
+    started but lost a rank before the kill: Open MPI's start-up crash)."""
     tag = f"elastic-hosts-{uuid.uuid4().hex}"
     variables = {"ELASTIC_OUT": out, "ELASTIC_MODE": "tape", "ELASTIC_STEPS": str(STEPS),
                  "ELASTIC_STEP_SLEEP": "1.0"}
-    cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "4", "--min-np", "2", *extra,
+    both = "".join(f"{h}:{c.slots}\n" for h in c.hosts)
+    listing.write_text(both)
+    cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "4", "--min-np", "2", "--host-discovery-script", str(script),
            *[a for name in variables for a in ("-x", name)], sys.executable, WORKER, tag]
     env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", **variables), clean_remote_env=True)
     proc = subprocess.Popen(c.command(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -60,26 +76,27 @@ def _train_and_kill_a_host(c, out, *extra):
     lines = []   # (arrival time, line)
     reader = threading.Thread(target=lambda: lines.extend((time.time(), x) for x in proc.stdout), daemon=True)
     reader.start()
-    progress = os.path.join(out, "progress.json")
-    killed_at = resumed_at = None
+    killed_at = resumed_at = grown_at = None
+    crashed_at_start = False
     try:
         deadline = time.time() + LAUNCH_TIMEOUT
-        while time.time() < deadline and proc.poll() is None and resumed_at is None:
-            try:
-                with open(progress) as f:
-                    p = json.load(f)
-            except (OSError, ValueError):
-                p = {}
+        while time.time() < deadline and proc.poll() is None:
+            p = _progress(out)
             if killed_at is None and p.get("size", 4) != 4:
-                break   # a rank was lost before the kill (the start-up crash below): not this test's case
-            if killed_at is None and p.get("size") == 4 and p.get("step", 0) >= KILL_AT:
+                crashed_at_start = True   # a rank was lost before the kill: not this test's case
+                break
+            if killed_at is None and p.get("step", 0) >= KILL_AT:
+                listing.write_text(f"{c.hosts[0]}:{c.slots}\n")
                 c.kill_host(c.hosts[1])
                 killed_at = time.time()
-                os.remove(progress)
-            elif killed_at is not None and p:
+                os.remove(os.path.join(out, "progress.json"))
+            elif killed_at is not None and resumed_at is None and p.get("size") == 2:
                 resumed_at = time.time()
+                listing.write_text(both)   # the host is back
+            elif resumed_at is not None and grown_at is None and p.get("size") == 4:
+                grown_at = time.time()
             time.sleep(0.2)
-        rc = proc.wait(max(1, deadline - time.time())) if killed_at is not None else None
+        rc = None if crashed_at_start else proc.wait(max(1, deadline - time.time()))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -92,14 +109,50 @@ def _train_and_kill_a_host(c, out, *extra):
         for pid in left:   # never leave anything behind, even when a check below fails
             subprocess.run(["kill", "-9", pid], capture_output=True)
     output = "".join(x for _, x in lines)
-    relaunched = [t for t, x in lines if "relaunch 1 of" in x]
-    times = {"killed": killed_at is not None,
-             "relaunch_line": relaunched[0] - killed_at if relaunched and killed_at else None,
-             "first_commit": resumed_at - killed_at if resumed_at and killed_at else None}
-    print(f"killed {c.hosts[1]}; seconds from the kill: {times}")
     assert not left, f"left running: {left}"
-    assert killed_at is not None or "Segmentation fault" in output, output[-6000:]
-    return rc, output, times
+    if crashed_at_start:
+        assert "Segmentation fault" in output, output[-6000:]
+        return rc, output, None, True
+    assert killed_at is not None, output[-6000:]
+    recovery = resumed_at - killed_at if resumed_at else None
+    print(f"killed {c.hosts[1]}; seconds from the kill to the first commit at size 2: {recovery}; "
+          f"from listing it again to the first commit at size 4: {grown_at - resumed_at if grown_at else None}")
+    return rc, output, recovery, False
+
+
+def test_lost_host_relaunch_then_growth_when_it_returns(two_hosts, tmp_path):
+    """h2 killed: the launcher relaunches 2 ranks on h1 (the hosts the script lists); they resume
+    from the last commit; h2 listed again: the ranks end at a commit and the launcher relaunches
+    4 ranks on both hosts, which resume and finish with the replay's weights."""
+    c = two_hosts
+    listing = tmp_path / "hosts.txt"
+    script = tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    for attempt in range(2):
+        out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")   # every pretend host sees it
+        rc, output, recovery, crashed_at_start = _lose_a_host_and_get_it_back(c, out, listing, script)
+        # Open MPI 5.0's heartbeat thread now and then crashes a rank inside MPI_Init
+        # (docs/elastic.md, "Limits"): the job goes on with 3 ranks before the kill. Once more.
+        if not crashed_at_start:
+            break
+        print(f"start-up failure, launching again:\n{output[-3000:]}")
+        shutil.rmtree(out, ignore_errors=True)
+    assert rc == 0, output[-8000:]
+    h1, h2 = c.hosts
+    assert f"tf_mpi.run: lost {h2}: relaunch 1 of 3 with 2 rank(s) on {h1}, resuming from" in output, output[-8000:]
+    assert f"tf_mpi.run: the discovery script lists more hosts: relaunch with 4 rank(s) on {h1},{h2}" in output, \
+        output[-8000:]
+    assert "relaunch 2 of" not in output, output[-8000:]   # growing is not a restart after a failure
+    r = _result(out)
+    sizes = r["sizes"]
+    assert r["size"] == 4, r
+    first_two = sizes.index(2)
+    back = first_two + sizes[first_two:].index(4)
+    assert first_two >= KILL_AT and set(sizes[:first_two]) == {4}, sizes
+    assert set(sizes[first_two:back]) == {2} and set(sizes[back:]) == {4}, sizes
+    assert first_two % 2 == 0 and back % 2 == 0   # each job resumed at a commit (every 2 steps)
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def _result(out):
@@ -109,31 +162,6 @@ def _result(out):
     assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
     assert len(r["sizes"]) == STEPS, r
     return r
-
-
-def test_lost_host_relaunch_resumes_from_the_last_commit(two_hosts):
-    """--host h1:2,h2:2, h2 killed: the launcher relaunches 2 ranks on h1 (the declared hosts less
-    the lost one); they resume from the last commit and finish."""
-    c = two_hosts
-    out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")   # every pretend host sees it
-    for attempt in range(2):
-        rc, output, times = _train_and_kill_a_host(c, out, "--host", c.host_list())
-        # Open MPI 5.0's heartbeat thread now and then crashes a rank inside MPI_Init
-        # (docs/elastic.md, "Limits"): the job goes on with 3 ranks and is never killed. Once more.
-        if times["killed"] or "Segmentation fault" not in output:
-            break
-        print(f"start-up failure, launching again:\n{output[-3000:]}")
-        shutil.rmtree(out, ignore_errors=True)
-        out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")
-    assert rc == 0, output[-8000:]
-    assert f"tf_mpi.run: lost {c.hosts[1]}: relaunch 1 of 3 with 2 rank(s) on {c.hosts[0]}" in output, output[-8000:]
-    r = _result(out)
-    sizes = r["sizes"]
-    assert r["size"] == 2 and 2 in sizes, r
-    first_two = sizes.index(2)
-    assert first_two >= KILL_AT and set(sizes[:first_two]) == {4} and set(sizes[first_two:]) == {2}, sizes
-    assert first_two % 2 == 0   # resumed at a commit (every 2 steps)
-    shutil.rmtree(out, ignore_errors=True)
 
 
 def test_nothing_of_the_test_bed_is_left(two_hosts):

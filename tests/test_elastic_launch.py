@@ -197,8 +197,8 @@ FAKE_MPIRUN = textwrap.dedent('''\
     import run as launcher
     scenario = os.environ["FAKE_SCENARIO"]
     d = os.environ["TF_MPI_ELASTIC_STATUS_DIR"]
-    def mark(i, ok=True, size=None, printed=False):
-        record = {{"ok": ok, "rank": i, "size": size, "host": "h", "pid": 1000 + i, "time": 0}}
+    def mark(i, ok=True, size=None, printed=False, relaunch=False):
+        record = {{"ok": ok, "rank": i, "size": size, "host": "h", "pid": 1000 + i, "time": 0, "relaunch": relaunch}}
         if printed:
             print(launcher.ELASTIC_MARK_PREFIX + json.dumps(record), flush=True)
         else:
@@ -217,6 +217,17 @@ FAKE_MPIRUN = textwrap.dedent('''\
         sys.exit(5)
     if scenario == "hangs":            # every rank done, then mpirun does not exit (MPI_Finalize)
         mark(0, size=2); mark(1, size=2); time.sleep(120)
+    if scenario == "grow_then_ok":     # the ranks end at a commit to be started again with more hosts
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(json.dumps({{"argv": sys.argv[1:],
+                                "checkpoint": os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")}}) + "\\n")
+        if len(open(os.environ["FAKE_LOG"]).readlines()) == 1:
+            with open(os.environ["FAKE_LISTING"], "a") as f:
+                f.write("b:2\\n")     # the host the ranks' discovery found
+            mark(0, size=2, relaunch=True); mark(1, size=2, relaunch=True); sys.exit(0)
+        for i in range(4):
+            mark(i, size=4)
+        sys.exit(0)
     if scenario in ("lost_then_ok", "always_lost"):   # host b lost (Open MPI's report), then a relaunch
         with open(os.environ["FAKE_LOG"], "a") as f:
             f.write(json.dumps({{"argv": sys.argv[1:],
@@ -293,6 +304,29 @@ def test_a_host_the_discovery_script_lists_again_is_used_by_the_relaunch(fake_mp
     assert calls[0]["argv"][:2] == ["-np", "4"] and "localhost:2,b:2" in calls[0]["argv"], calls
     assert calls[1]["argv"][:2] == ["-np", "4"] and "localhost:2,b:2" in calls[1]["argv"], calls
     assert "tf_mpi.run: lost b: relaunch 1 of 3 with 4 rank(s) on localhost,b" in out, out
+
+
+def test_ranks_ending_for_more_hosts_are_relaunched_on_what_the_script_lists(fake_mpirun, tmp_path):
+    """Ranks that end at a commit asking to be started again (the script lists a host the job was
+    not started with) are relaunched on the script's hosts, not counted as a restart; the
+    default checkpoint directory is there for a job with a discovery script on this host."""
+    listing = tmp_path / "listing"
+    listing.write_text("localhost:2\n")
+    script = _script(tmp_path, "hosts.sh", f"#!/bin/sh\ncat {listing}\n")
+    log = tmp_path / "calls.jsonl"
+    # The stand-in's first job adds b to the listing (what the ranks' discovery found) and ends.
+    env = _env(TF_MPI_MPIRUN=fake_mpirun, FAKE_SCENARIO="grow_then_ok", FAKE_LOG=str(log), FAKE_LISTING=str(listing))
+    cmd = RUN + ["-np", "2", "--min-np", "2", "--max-np", "4", "--max-restarts", "0",
+                 "--host-discovery-script", script, "python", "t.py"]
+    rc, out, _, timed_out = run_bounded(cmd, 30, env)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert not timed_out and rc == 0 and len(calls) == 2, out
+    assert calls[0]["argv"][:2] == ["-np", "2"] and calls[1]["argv"][:2] == ["-np", "4"], calls
+    assert "localhost:2,b:2" in calls[1]["argv"], calls
+    assert calls[0]["checkpoint"] and calls[0]["checkpoint"] == calls[1]["checkpoint"], calls
+    assert f"the discovery script lists more hosts: relaunch with 4 rank(s) on localhost,b, resuming from " \
+           f"{calls[0]['checkpoint']}" in out, out
+    assert "ended to be started again with more hosts" in out and "4 rank(s) finished (min-np 2)" in out, out
 
 
 def test_relaunch_limits_and_a_given_checkpoint_dir(fake_mpirun, tmp_path):

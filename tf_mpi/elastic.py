@@ -15,7 +15,10 @@ rank back to a common state and calls it again:
   ``--max-np``). At the next ``commit()`` every rank raises ``HostsUpdatedInterrupt`` (no
   rollback: the state was just committed); ``run`` spawns the new ranks, restarts the engine with
   them, runs the reset callbacks, syncs and calls the function again. The new processes run the
-  same program; their ``run`` starts with the same ``sync()``.
+  same program; their ``run`` starts with the same ``sync()``. Open MPI spawns only onto hosts
+  the job was started with: for a host listed later, every rank ends at that ``commit()``
+  (persisted to ``TF_MPI_ELASTIC_CHECKPOINT_DIR``) and the launcher starts the job again with it;
+  ``run`` resumes from the commit.
 
 This needs elastic mode (``python -m tf_mpi.run --min-np ... --max-np ...``, which starts Open
 MPI with ULFM; docs/elastic.md). Without it the ranks are fixed: a failure inside ``run``
@@ -46,6 +49,7 @@ Example::
 """
 import os
 import pickle
+import sys
 
 import cloudpickle
 import tensorflow as tf
@@ -132,11 +136,19 @@ class State:
         global _pending_hosts
         if not membership.enabled():
             return
-        found = membership.pending_hosts() if basics.rank() == 0 else None
-        found = broadcast_object(found, root_rank=0, name="tfmpi.elastic.host_updates")
+        found = relaunch_for = None
+        if basics.rank() == 0:
+            found = membership.pending_hosts()
+            # Hosts Open MPI cannot spawn onto (not given at launch): the launcher starts the job
+            # again with them, resuming from the commit just persisted; only where there is one.
+            if not found and _checkpoint_path() is not None:
+                relaunch_for = membership.undeclared_hosts()
+        found, relaunch_for = broadcast_object((found, relaunch_for), root_rank=0, name="tfmpi.elastic.host_updates")
         if found:
             _pending_hosts = list(found)
             raise HostsUpdatedInterrupt(skip_sync=False)
+        if relaunch_for:
+            raise _RelaunchForHosts(relaunch_for)
 
     def _persist(self):
         """Rank 0 writes the committed state to TF_MPI_ELASTIC_CHECKPOINT_DIR, if set (elastic mode).
@@ -397,6 +409,15 @@ def _checkpoint_path():
 _pending_hosts = []  # hosts to spawn ranks on at the next reset (check_host_updates, on every rank)
 
 
+class _RelaunchForHosts(HostsUpdatedInterrupt):
+    """Raised by ``commit()`` on every rank when the discovery script lists hosts the job was not
+    started with: ``run`` ends the process for the launcher to start the job again with them."""
+
+    def __init__(self, hosts):
+        super().__init__(skip_sync=False)
+        self.hosts = list(hosts)
+
+
 # The engine's words for a lost rank (transports/peer_failure.cc), whatever wraps them.
 _LOST_RANK_TEXT = "a rank of this job failed or stopped responding"
 
@@ -485,6 +506,15 @@ def run(func):
                     _share_measurements()
                     state.sync()
                 return func(state, *args, **kwargs)
+            except _RelaunchForHosts as e:
+                if basics.rank() == 0:
+                    sys.stderr.write(f"[tf_mpi] the host discovery script lists {','.join(e.hosts)}, which this job "
+                                     "was not started with: ending at this commit for the launcher to start the job "
+                                     "again with them (it resumes from this commit)\n")
+                membership.request_relaunch()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                raise SystemExit(0)  # tf_mpi's exit handler marks this rank and leaves together with the others
             except HostsUpdatedInterrupt as e:
                 skip_sync = e.skip_sync
                 _restart_with_new_hosts()

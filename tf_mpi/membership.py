@@ -34,9 +34,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 __all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "comm", "spawned", "shrink", "grow",
+           "undeclared_hosts", "request_relaunch",
            "finish", "Discovery"]
 
 # How often rank 0 runs the discovery script (Horovod's driver checks about once a second).
@@ -57,6 +57,7 @@ _comm = None          # the communicator the engine runs on (mpi4py), elastic mo
 _hosts = []           # the host name of each rank of _comm, in rank order
 _discovery = None     # rank 0's Discovery thread
 _spawned = False      # this process was started by grow()
+_relaunch = False     # finish() asks the launcher to start the job again (request_relaunch)
 
 
 def enabled():
@@ -150,6 +151,26 @@ def comm():
     return _comm
 
 
+def undeclared_hosts():
+    """Rank 0: hosts the discovery script lists that were not given to ``mpirun`` at launch, while
+    the job is below ``--max-np`` (ranks cannot be spawned there; the launcher can start the job
+    again with them). Other ranks, and jobs without a discovery script: ``[]``.
+
+    Example: ``if membership.undeclared_hosts(): ...``
+    """
+    return _discovery.undeclared_hosts() if _discovery is not None else []
+
+
+def request_relaunch():
+    """Makes :func:`finish` ask the launcher to start the job again (``relaunch`` in this rank's
+    mark) instead of reporting it done.
+
+    Example: ``membership.request_relaunch(); sys.exit(0)``
+    """
+    global _relaunch
+    _relaunch = True
+
+
 def finish(ok):
     """Tells the launcher this rank is done (``ok``: without an error), then waits until every rank
     of the job is done with MPI (a fault-tolerant agreement), so that none leaves while another
@@ -161,7 +182,7 @@ def finish(ok):
     if _comm is None:
         return
     MPI = _mpi()
-    launcher.mark_worker_finished(ok=ok, rank=_comm.Get_rank(), size=_comm.Get_size())
+    launcher.mark_worker_finished(ok=ok, rank=_comm.Get_rank(), size=_comm.Get_size(), relaunch=ok and _relaunch)
     try:
         _comm.Agree(1)
     except MPI.Exception:
@@ -305,7 +326,14 @@ class Discovery(threading.Thread):
             out = []
         return out
 
-    def _declared(self, host):
+    def undeclared_hosts(self):
+        with self._lock:
+            listed = dict(self._listed)
+        if self.max_np is None or len(self.current) >= self.max_np:
+            return []
+        return [h for h, slots in listed.items() if slots > 0 and not self._declared(h, warn=False)]
+
+    def _declared(self, host, warn=True):
         """Whether Open MPI was given `host` at launch (TF_MPI_ELASTIC_HOSTS; empty: the job's own
         hosts). A spawn onto any other host ends the whole job (Open MPI 5.0), so such a host is
         left out, with one warning: it joins when the launcher starts the job again."""
@@ -313,10 +341,11 @@ class Discovery(threading.Thread):
         names = {item.rpartition(":")[0] or item for item in declared.split(",") if item} or set(self.current)
         if host in names:
             return True
-        if host not in self._warned:
+        if warn and host not in self._warned:
             self._warned.add(host)
             sys.stderr.write(f"[tf_mpi] host {host} (host discovery) was not given to mpirun at launch: ranks cannot "
-                             "be started there while this job runs\n")
+                             "be started there while this job runs (hvd.elastic ends the job at its next commit "
+                             "for the launcher to start it again with that host, when a checkpoint directory is set)\n")
         return False
 
     def new_slots(self):

@@ -94,6 +94,13 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   this one, a fresh directory beside the status directory, removed at the end. After a relaunch
   rank 0 runs on the first host left: where that can be another host than this one, ``DIR`` must
   be on a file system every host shares. Either new flag turns elastic mode on.
+- Relaunching to take in more hosts: ranks can be spawned only onto hosts ``mpirun`` was given at
+  launch. When the discovery script lists a host beyond those while the job is below
+  ``--max-np``, ``hvd.elastic``'s ranks end at the next commit (marking themselves finished with
+  ``relaunch``), and the launcher starts the job again on the hosts the script lists then, with
+  ``min(their slots, --max-np)`` ranks, resuming from that commit. Such relaunches do not count
+  against ``--max-restarts``. A job with a discovery script whose first host is this one gets the
+  default checkpoint directory for this.
 
 It does not import TensorFlow.
 """
@@ -635,14 +642,16 @@ def _without_host_options(options):
     return out
 
 
-def mark_worker_finished(ok=True, rank=None, size=None):
+def mark_worker_finished(ok=True, rank=None, size=None, relaunch=False):
     """Tells ``python -m tf_mpi.run`` (elastic mode) that this rank has completed the run: ``ok``
     False where it ends on an error; ``rank`` and ``size`` its place in the final communicator
     (they let the launcher see that the whole final group is done). Does nothing (returns None)
     outside elastic mode. Writes ``<host>.<pid>.json`` into ``TF_MPI_ELASTIC_STATUS_DIR`` (returns
     its path); where that directory is not visible (another host without a shared file system)
     prints the mark on stdout for the launcher instead. Calling it again replaces the mark. It does
-    not import TensorFlow or MPI.
+    not import TensorFlow or MPI. ``relaunch=True``: the rank ends before the training is done so
+    that the launcher starts the job again on the hosts the discovery script lists (hosts this job
+    could not start ranks on); the new job resumes from the last commit.
 
     Example (a worker's last lines)::
 
@@ -659,6 +668,8 @@ def mark_worker_finished(ok=True, rank=None, size=None):
         return None
     record = {"ok": bool(ok), "rank": rank, "size": size, "host": socket.gethostname(),
               "pid": os.getpid(), "time": time.time()}
+    if relaunch:
+        record["relaunch"] = True
     if os.path.isdir(where):
         path = os.path.join(where, f"{record['host']}.{record['pid']}.json")
         tmp = path + ".tmp"
@@ -755,11 +766,12 @@ def elastic_verdict(marks, min_np, mpirun_rc):
     return 1, f"only {len(done)} rank(s) marked themselves finished, fewer than min-np {min_np}"
 
 
-def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None):
+def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, relaunch=None):
     """Runs an elastic job's mpirun ``argv`` and returns the exit status the marks give
     (:func:`elastic_verdict`), passing mpirun's output through (less printed marks). Where
     ``mpirun`` reported a lost host, appends the host's name (None if not named) to ``lost_hosts``
-    (a list)."""
+    (a list); where the job succeeded and its ranks asked to be started again
+    (``mark_worker_finished(relaunch=True)``), appends True to ``relaunch`` (a list)."""
     grace_s = float(env.get("TF_MPI_ELASTIC_EXIT_GRACE_S", ELASTIC_EXIT_GRACE_S) if grace_s is None else grace_s)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     printed, said = [], {1: [], 2: []}   # mpirun's output from a lost-host report on, per stream
@@ -817,7 +829,12 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None):
         rc = proc.wait()
     for t in pumps:
         t.join(5)
-    status, why = elastic_verdict(read_marks(status_dir, printed), min_np, rc)
+    marks = read_marks(status_dir, printed)
+    status, why = elastic_verdict(marks, min_np, rc)
+    if status == 0 and any(m.get("relaunch") for m in marks):
+        why = why.replace("finished", "ended to be started again with more hosts", 1)
+        if relaunch is not None:
+            relaunch.append(True)
     if lost.is_set():
         why += "; mpirun lost a host, which ends an Open MPI job (see its message above)"
         if lost_hosts is not None:
@@ -871,8 +888,9 @@ def _main_elastic(settings, argv):
     max_restarts = settings.pop("max_restarts", ELASTIC_MAX_RESTARTS)
     checkpoint_dir = settings.pop("checkpoint_dir", None) or os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")
     made = []   # directories this launcher made (removed at the end)
+    restart = 0
     try:
-        for restart in range(max_restarts + 1):
+        while True:
             status_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_")
             made.append(status_dir)
             if checkpoint_dir:
@@ -881,7 +899,7 @@ def _main_elastic(settings, argv):
             try:
                 cmd, env, settings = elastic_launch(np, options, program, settings, status_dir=status_dir,
                                                     checkpoint_dir=checkpoint_dir)
-                if checkpoint_dir is None and _default_checkpoint_dir_fits(settings["hosts"]):
+                if checkpoint_dir is None and _default_checkpoint_dir_fits(settings["hosts"], settings["discovery"]):
                     checkpoint_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_checkpoint_")
                     made.append(checkpoint_dir)
                     cmd, env, settings = elastic_launch(np, options, program, settings, status_dir=status_dir,
@@ -889,8 +907,22 @@ def _main_elastic(settings, argv):
             except RuntimeError as e:
                 sys.stderr.write(f"tf_mpi.run: {e}\n")
                 return 2 if restart == 0 else 1
-            lost = []
-            status = run_elastic(cmd, env, settings["min_np"], status_dir, lost_hosts=lost)
+            lost, grow = [], []
+            status = run_elastic(cmd, env, settings["min_np"], status_dir, lost_hosts=lost, relaunch=grow)
+            if status == 0 and grow and settings["discovery"]:
+                # The ranks ended at a commit because the discovery script lists hosts this job
+                # could not start ranks on (Open MPI spawns only onto hosts given at launch):
+                # start it again with them. Not a restart after a failure: not counted.
+                try:
+                    hosts = discover_hosts(settings["discovery"], settings["slots"])
+                except RuntimeError as e:
+                    sys.stderr.write(f"tf_mpi.run: cannot relaunch: {e}\n")
+                    return 1
+                np = min(sum(n for _, n in hosts), settings["max_np"])
+                options = _without_host_options(options) + ["--host", ",".join(f"{h}:{n}" for h, n in hosts)]
+                sys.stderr.write(f"tf_mpi.run: the discovery script lists more hosts: relaunch with {np} rank(s) "
+                                 f"on {','.join(h for h, _ in hosts)}, resuming from {checkpoint_dir}\n")
+                continue
             if status == 0 or not lost or restart == max_restarts:
                 return status
             # A lost host ends Open MPI's job: start it again on the hosts left (it resumes from
@@ -916,20 +948,23 @@ def _main_elastic(settings, argv):
             sys.stderr.write(f"tf_mpi.run: lost {what}: relaunch {restart + 1} of {max_restarts} with "
                              f"{np} rank(s) on {','.join(h for h, _ in hosts)}"
                              f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
+            restart += 1
     finally:
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _default_checkpoint_dir_fits(hosts):
+def _default_checkpoint_dir_fits(hosts, discovery=None):
     """Whether a checkpoint directory on this host's file system serves a job on ``hosts``
-    (``[(host, slots)]``, as declared to mpirun): the job spans several hosts (only those can
-    lose one and be relaunched) and the first, where rank 0 starts, is this one."""
+    (``[(host, slots)]``, as declared to mpirun) that may be relaunched: the job spans several
+    hosts (only those can lose one) or has a discovery script (it is relaunched to take in hosts
+    listed later), and the first host, where rank 0 starts, is this one."""
     if not hosts:
         return False
     here = _this_host_names()
     first = hosts[0][0]
-    return (first in here or first.startswith("127.")) and not is_single_host(["--host", ",".join(h for h, _ in hosts)])
+    return (first in here or first.startswith("127.")) and (
+        discovery or not is_single_host(["--host", ",".join(h for h, _ in hosts)]))
 
 
 if __name__ == "__main__":

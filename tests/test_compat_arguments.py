@@ -72,6 +72,21 @@ def test_elastic_keras_state_backend_warns(fresh_warnings):
     assert len(messages) == 1 and "TensorFlowKerasState(backend=...)" in messages[0], messages
 
 
+def test_keras_state_warns_when_it_holds_another_optimizer_than_the_compiled_one(fresh_warnings):
+    import keras
+    import tf_mpi.keras as hvd
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    inner = keras.optimizers.Adam(0.1)
+    model.compile(optimizer=hvd.DistributedOptimizer(inner), loss="mse", jit_compile=False)
+    hvd.elastic.KerasState(model, epoch=0)                   # takes model.optimizer
+    hvd.elastic.KerasState(model, model.optimizer, epoch=0)
+    assert _messages(fresh_warnings) == []
+    state = hvd.elastic.KerasState(model, inner, epoch=0)    # DistributedOptimizer(inner) is another optimizer
+    messages = _messages(fresh_warnings)
+    assert len(messages) == 1 and "different optimizer than the one the model is compiled with" in messages[0]
+    assert state.optimizer is inner                         # as given (Horovod's semantics), with the warning
+
+
 def test_timeline_mark_cycles_warns(fresh_warnings, tmp_path):
     import tf_mpi as hvd
     for _ in range(2):

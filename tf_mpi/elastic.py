@@ -50,6 +50,7 @@ Example::
 import os
 import pickle
 import sys
+import warnings
 
 import cloudpickle
 import tensorflow as tf
@@ -294,7 +295,15 @@ class TensorFlowKerasState(_VariablesState):
         if hasattr(model, "built") and not model.built:
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        compiled = getattr(model, "optimizer", None)
+        self.optimizer = optimizer if optimizer is not None else compiled
+        if optimizer is not None and compiled is not None and optimizer is not compiled:
+            # DistributedOptimizer(opt) is a new optimizer with variables of its own (as in
+            # Horovod): a state given `opt` would not restore the moments model.fit updates.
+            warnings.warn("tf_mpi: this elastic state holds a different optimizer than the one the model is "
+                          "compiled with; after a failure inside model.fit the compiled optimizer's variables "
+                          "(e.g. Adam's moments) would not be restored. Leave `optimizer` out (the state then "
+                          "takes model.optimizer) or pass model.optimizer.", stacklevel=2)
         if backend is not None:
             warn_unused_argument("TensorFlowKerasState", "backend",
                                  "tf_mpi reads and assigns the model's and optimizer's variables directly, "

@@ -6,8 +6,9 @@ mode). The scenario comes from the environment:
   ELASTIC_MODE      tape (a tf.function loop with DistributedGradientTape) or fit (model.fit with
                     the Keras elastic callbacks)
   ELASTIC_FAULTS    "R@S[:SIG],...": the rank that started as world rank R sends itself SIG (KILL
-                    or STOP; default KILL) when the step count reaches S; "R@reset" while the
-                    job recovers from the first loss (in a reset callback)
+                    or STOP; default KILL) when the step count reaches S (tape: before step S+1;
+                    fit: inside model.fit, at the end of step S, before its commit); "R@reset"
+                    while the job recovers from the first loss (in a reset callback)
   ELASTIC_GROW_AT   step at which rank 0 creates ELASTIC_OUT/grow (the test's discovery script
                     then lists more slots) and waits until its discovery has seen them
   ELASTIC_STEPS     total optimizer steps
@@ -175,7 +176,9 @@ def main():
                 time.sleep(step_sleep)
     else:
         model.compile(optimizer=hvd_keras.DistributedOptimizer(opt), loss="mse")
-        state = hvd_keras.elastic.KerasState(model, opt, step=0, sizes=(), samples=0, epoch=0, batch=0)
+        # The state takes the compiled (distributed) optimizer: DistributedOptimizer(opt) has
+        # variables of its own, which model.fit updates.
+        state = hvd_keras.elastic.KerasState(model, step=0, sizes=(), samples=0, epoch=0, batch=0)
 
         class Schedule(keras.callbacks.Callback):
             """Notes each finished step in the state (before the commit callback saves it)."""
@@ -185,11 +188,13 @@ def main():
                 state.sizes = state.sizes + (hvd.size(),)
                 state.samples += hvd.size() * B
                 state.step += 1
+                if me in faults and state.step == faults[me][0]:
+                    kill_self(state.step, faults[me][1])   # inside fit, before this step's commit
 
         @hvd.elastic.run
         def train(state):
             while state.step < steps:
-                maybe_fail(state)
+                maybe_grow(state)
                 # One fit per commit interval, so that a fault fires at a step boundary.
                 todo = min(COMMIT_EVERY - state.step % COMMIT_EVERY, steps - state.step)
                 xs, ys = hvd.data.shard_arrays(x, y, batch_size=B, skip=state.samples)

@@ -56,6 +56,10 @@ EngineConfig EngineConfig::FromEnv() {
   c.cache_capacity = EnvInt("TF_MPI_CACHE_CAPACITY", 4096);
   c.stall_check_s = EnvDouble("TF_MPI_STALL_CHECK_TIME_SECONDS", 60.0);
   c.stall_shutdown_s = EnvDouble("TF_MPI_STALL_SHUTDOWN_TIME_SECONDS", 0.0);
+  // 30 s, the MPI watchdog's base time: a rank descheduled on an overloaded
+  // node, a long swap or a VM pause is not taken for a lost one, while a cut
+  // during negotiation ends as promptly as one inside a collective.
+  c.peer_timeout_s = std::max(0.0, EnvDouble("TF_MPI_PEER_TIMEOUT_SECONDS", 30.0));
   c.spin_us = EnvInt("TF_MPI_SPIN_US", 250);
   c.poll_us = EnvInt("TF_MPI_POLL_US", 200);
   c.inline_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_INLINE_BYTES", 64 << 10));
@@ -98,7 +102,7 @@ std::string EngineConfig::ToString() const {
   std::ostringstream os;
   os << tunables.ToString() << " autotune="
      << (autotune == AutotuneScope::kAll ? "1" : autotune == AutotuneScope::kPlan ? "plan" : "0") << " cache_capacity=" << cache_capacity << " stall_check_s=" << stall_check_s
-     << " stall_shutdown_s=" << stall_shutdown_s << " spin_us=" << spin_us << " poll_us=" << poll_us
+     << " stall_shutdown_s=" << stall_shutdown_s << " peer_timeout_s=" << peer_timeout_s << " spin_us=" << spin_us << " poll_us=" << poll_us
      << " inline_bytes=" << inline_bytes << " inline_wait_us=" << inline_wait_us
      << " cuda_aware=" << cuda_aware << " gpu_chunk_bytes=" << gpu_chunk_bytes
      << " negotiation=" << (negotiation_tree ? "tree" : "star") << " " << hierarchical.ToString()

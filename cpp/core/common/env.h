@@ -23,6 +23,9 @@ struct EngineConfig {
   int64_t cache_capacity;          // TF_MPI_CACHE_CAPACITY; 0 disables the response cache
   double stall_check_s;            // TF_MPI_STALL_CHECK_TIME_SECONDS; 0 disables warnings
   double stall_shutdown_s;         // TF_MPI_STALL_SHUTDOWN_TIME_SECONDS; 0 = wait forever
+  // TF_MPI_PEER_TIMEOUT_SECONDS: a peer not heard from for this long is unreachable
+  // (transports/liveness.h); 0 turns the check off.
+  double peer_timeout_s;
   int64_t spin_us;                 // TF_MPI_SPIN_US: spin this long after activity
   int64_t poll_us;                 // TF_MPI_POLL_US: then poll at most this far apart
   int64_t inline_bytes;            // TF_MPI_INLINE_BYTES: a caller runs requests up to this size itself; 0: never

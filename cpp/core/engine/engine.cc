@@ -180,6 +180,20 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
   protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, hierarchical_, &stats_, &timeline_);
   protocol_->set_watchdog(&watchdog_);
   watchdog_.Start(watchdog_settings_);
+  if (!opts.elastic && config_.peer_timeout_s > 0 && mpi_.size() > 1) {
+    if (MpiContext::ThreadMultiple()) {
+      liveness_.Start(mpi_.liveness_comm(), mpi_.rank(), mpi_.size(), config_.peer_timeout_s, [this] {
+        {
+          StateLock lock(mu_);
+          liveness_news_ = true;
+        }
+        cv_.notify_all();
+      });
+      protocol_->set_liveness(&liveness_);
+    } else if (mpi_.rank() == 0) {
+      LogWarning("TF_MPI_PEER_TIMEOUT_SECONDS has no effect: the peer liveness check needs MPI_THREAD_MULTIPLE");
+    }
+  }
   initialized_ = true;
   if (const char* path = std::getenv("TF_MPI_TIMELINE"); path && *path && !opts.process_set) {
     s = StartTimeline(path);
@@ -197,6 +211,7 @@ void Engine::Shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  liveness_.Stop();  // after the protocol ended: a worker waiting for rank 0's acknowledgement needs it
   watchdog_.Stop();
   {
     std::lock_guard<std::mutex> turn(progress_mu_);
@@ -416,7 +431,9 @@ void Engine::Loop() {
     }
     StateLock state(mu_);
     std::unique_lock<std::mutex>& lock = state.lock();
-    auto has_news = [&] { return handoff_ || stop_requested_ != stop_seen || (!driving_ && !queue_.empty()); };
+    auto has_news = [&] {
+      return handoff_ || liveness_news_ || stop_requested_ != stop_seen || (!driving_ && !queue_.empty());
+    };
     if (!expecting || driven) {
       if (rank != 0) cv_.wait(lock, has_news);
       else cv_.wait_for(lock, kCoordinatorIdleWake, has_news);
@@ -426,6 +443,7 @@ void Engine::Loop() {
     }
     if (handoff_) last_activity = Clock::now();
     handoff_ = false;
+    liveness_news_ = false;
     stop_seen = stop_requested_;
   }
 

@@ -26,8 +26,16 @@
 //    only while no engine thread runs), so the engine's MPI calls are
 //    serialised; see MpiContext::Init for the thread level required.
 //  - mu_ (taken through StateLock): guards queue_, stop_requested_,
-//    stop_status_, driving_, handoff_ and tunables_, and cv_ waits on it. It
-//    may be taken while holding progress_mu_, never the other way round.
+//    stop_status_, driving_, handoff_, liveness_news_ and tunables_, and cv_
+//    waits on it. It may be taken while holding progress_mu_, never the other
+//    way round.
+//  - The peer liveness check (liveness_, transports/liveness.h) runs a thread
+//    of its own that calls MPI, on a communicator of its own, without
+//    progress_mu_: MPI_THREAD_MULTIPLE allows that, and it is started only
+//    where MPI provides it. That thread takes mu_ only to set liveness_news_
+//    (waking the engine thread), holding no lock of its own then; the protocol
+//    calls into the Liveness under progress_mu_ (Liveness's own lock is the
+//    innermost).
 //  - Completion callbacks (Request::done) never run under an engine lock: the
 //    protocol queues them (completions_) and whoever ran the protocol calls
 //    them after releasing progress_mu_ (RunCompletions), so a callback may
@@ -68,6 +76,7 @@
 #include "negotiation/autotune.h"
 #include "negotiation/protocol.h"
 #include "transports/gpu_transport.h"
+#include "transports/liveness.h"
 #include "transports/mpi_context.h"
 
 namespace tfmpi {
@@ -154,6 +163,7 @@ class Engine {
   EngineConfig config_{};
   WatchdogSettings watchdog_settings_;
   Watchdog watchdog_;  // times each batch's MPI work (watchdog.h)
+  Liveness liveness_;  // tells unreachable peers from slow ones (liveness.h)
   std::atomic<bool> initialized_{false};
   GpuTransportChoice gpu_choice_;
   HierarchicalChoice hierarchical_;
@@ -171,6 +181,7 @@ class Engine {
   Status stop_status_;  // why Enqueue refuses work after the protocol ended on its own (Fail, Lose)
   bool driving_ = false;   // a caller is in Drive(): the background thread stays asleep
   bool handoff_ = false;   // a caller left Drive() with work in flight: the background thread takes over
+  bool liveness_news_ = false;  // the liveness check declared a peer: the background thread runs a Step
   Tunables tunables_;  // a copy for callers; the executor's own copy is the one that acts
 };
 

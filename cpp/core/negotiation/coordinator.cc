@@ -58,10 +58,7 @@ Coordinator::Pending& Coordinator::Entry(const std::string& name, Clock::time_po
 void Coordinator::Announce(int rank, RequestMeta meta, Clock::time_point now) {
   const std::string name = meta.name;
   if (departed_count_ > 0) {
-    std::vector<int> gone;
-    for (int r = 0; r < size_; ++r) if (departed_[r]) gone.push_back(r);
-    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: " + RankList(gone) + " called shutdown()",
-         StatusCode::kAborted);
+    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: " + Gone(), StatusCode::kAborted);
     return;
   }
   if (meta.type == CollectiveType::kJoin) {
@@ -222,13 +219,33 @@ void Coordinator::Fail(const std::string& name, const std::string& why, StatusCo
   decisions_.push_back(std::move(d));
 }
 
-void Coordinator::Departed(int rank) {
+void Coordinator::Departed(int rank) { Leave(rank, "called shutdown()"); }
+
+void Coordinator::Unreachable(int rank, const std::string& detail) {
+  Leave(rank, "is unreachable (" + detail + ")");
+}
+
+std::string Coordinator::Gone() const {
+  std::map<std::string, std::vector<int>> groups;  // why -> ranks
+  for (int r = 0; r < size_; ++r)
+    if (departed_[r]) groups[gone_why_[r]].push_back(r);
+  std::string out;
+  for (const auto& [why, ranks] : groups) {
+    std::string w = why;
+    if (ranks.size() > 1 && w.compare(0, 3, "is ") == 0) w = "are " + w.substr(3);
+    out += (out.empty() ? "" : "; ") + RankList(ranks) + " " + w;
+  }
+  return out;
+}
+
+void Coordinator::Leave(int rank, const std::string& why) {
   if (departed_[rank]) return;
   departed_[rank] = true;
+  gone_why_[rank] = why;
   ++departed_count_;
   for (auto& [name, p] : pending_)
-    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: rank " + std::to_string(rank) +
-                   " called shutdown()", StatusCode::kAborted);
+    Fail(name, "tf_mpi: collective '" + name + "' cannot complete: rank " + std::to_string(rank) + " " + why,
+         StatusCode::kAborted);
   pending_.clear();
   Decision ack;
   ack.kind = Decision::Kind::kShutdownAck;

@@ -33,7 +33,7 @@ class Coordinator {
  public:
   Coordinator(int size, const ResponseCache* cache, double stall_warn_s, double stall_shutdown_s,
               Timeline* timeline)
-      : size_(size), cache_(cache), departed_(size, false),
+      : size_(size), cache_(cache), departed_(size, false), gone_why_(size),
         stall_warn_s_(stall_warn_s), stall_shutdown_s_(stall_shutdown_s), timeline_(timeline),
         joined_(size, false) {}
 
@@ -45,6 +45,10 @@ class Coordinator {
   // `rank` is shutting down: what waits on it fails, it gets an acknowledgement
   // (once: a repeated shutdown announcement of the same rank is ignored).
   void Departed(int rank);
+  // `rank` cannot be reached (transports/liveness.h; `detail` says how that was
+  // found): as Departed, with errors naming it so. Its acknowledgement is
+  // never sent to it, but every other rank executes it (and leaves the tree).
+  void Unreachable(int rank, const std::string& detail);
   bool any_departed() const { return departed_count_ > 0; }
 
   // Decisions made since the last call, in execution order.
@@ -73,12 +77,17 @@ class Coordinator {
   void Fail(const std::string& name, const std::string& why, StatusCode code = StatusCode::kPrecondition);
   // `rank` called join(): it counts as ready for every collective until all have joined.
   void Join(int rank, Clock::time_point now);
+  // Departed and Unreachable: what waits on `rank` fails with `why` ("rank R " + why).
+  void Leave(int rank, const std::string& why);
+  // The ranks gone so far, grouped by why ("rank 2 called shutdown()").
+  std::string Gone() const;
   bool Complete(const Pending& p) const;
   std::string Ranks(const Pending& p, bool announced) const;
 
   int size_;
   const ResponseCache* cache_;
   std::vector<bool> departed_;
+  std::vector<std::string> gone_why_;  // per departed rank: "called shutdown()" or why it is unreachable
   int departed_count_ = 0;
   double stall_warn_s_, stall_shutdown_s_;
   Timeline* timeline_;

@@ -1,5 +1,6 @@
 #include "negotiation/protocol.h"
 
+#include <cstdio>
 #include <utility>
 
 #include "common/logging.h"
@@ -98,12 +99,18 @@ bool Protocol::Step(std::deque<std::unique_ptr<Request>> fresh, bool stop_reques
 bool Protocol::StepOrThrow(std::deque<std::unique_ptr<Request>>& fresh, bool stop_requested, bool on_caller,
                            bool* deferred) {
   const Clock::time_point now = Clock::now();
-  bool progressed = Announce(fresh, stop_requested, now);
+  bool progressed = false;
+  // Rank 0: before deciding, so that this Step's batch carries the errors.
+  if (rank_ == 0 && liveness_ && liveness_->news()) {
+    Unreachable();
+    progressed = true;
+  }
+  progressed = Announce(fresh, stop_requested, now) || progressed;
   if (rank_ == 0) {
     progressed = Decide(now) || progressed;
   } else {
     progressed = Aggregate(now) || progressed;
-    progressed = Receive() || progressed;
+    progressed = Receive(now) || progressed;
   }
   // Every rank executes the batches in order. A caller's thread runs only
   // batches that fit the inline size; a larger one is left to the engine thread.
@@ -118,6 +125,11 @@ bool Protocol::StepOrThrow(std::deque<std::unique_ptr<Request>>& fresh, bool sto
       if (bytes > stats_->inline_max_batch_bytes.load()) stats_->inline_max_batch_bytes.store(bytes);
     }
     RunBatch();
+    progressed = true;
+  }
+  // A worker: after what arrived, so that rank 0's goodbye, if it came, is seen first.
+  if (rank_ != 0 && liveness_ && liveness_->news() && !done_) {
+    Unreachable();
     progressed = true;
   }
   outbox_.Reap();
@@ -248,6 +260,12 @@ bool Protocol::Collect(Clock::time_point now) {
 }
 
 void Protocol::SendDecisions(const std::shared_ptr<std::vector<char>>& encoded) {
+  if (tree_decisions_ && unreachable_seen_) {
+    // The batch that acknowledges an unreachable rank (it ends the tree): that
+    // rank cannot forward it, so its children get it from here (Receive).
+    for (int child : tree_.children) SendAround(child, encoded);
+    return;
+  }
   if (tree_decisions_) {
     for (int child : tree_.children) Send(child, kTagDecide, encoded);
     return;
@@ -277,31 +295,57 @@ bool Protocol::Decide(Clock::time_point now) {
   // A worker whose departure is acknowledged here has stopped receiving, and
   // from this batch on decisions go to every worker directly (LeaveTree).
   for (const Decision& d : decisions)
-    if (d.kind == Decision::Kind::kShutdownAck && d.rank > 0) departed_[d.rank] = true;
+    if (d.kind == Decision::Kind::kShutdownAck && d.rank > 0) {
+      departed_[d.rank] = true;
+      if (liveness_) liveness_->Forget(d.rank);  // its heartbeats stop with its engine
+    }
   if (HasDeparture(decisions)) tree_decisions_ = false;
   ready_.push_back(std::move(decisions));
   return true;
 }
 
-bool Protocol::Receive() {
+bool Protocol::Receive(Clock::time_point now) {
   bool progressed = false;
   int from = 0;
   while (!ack_received_ && !done_ && TryReceive(tree_decisions_ ? tree_.parent : 0, kTagDecide, &from)) {
     progressed = true;
-    std::vector<Decision> decisions;
-    Decode(bytes_, &decisions);
-    for (const Decision& d : decisions)
-      if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank_) ack_received_ = true;
-    if (tree_decisions_) {
-      // Forwarded before it runs here, so the subtree executes it in parallel.
-      // A departing rank forwards its own acknowledgement before it stops.
-      auto encoded = std::make_shared<std::vector<char>>(bytes_);
-      for (int child : tree_.children) Send(child, kTagDecide, encoded);
-      if (HasDeparture(decisions)) tree_decisions_ = false;  // the next batches come from rank 0
+    TakeBatch();
+  }
+  // In the tree, the batch acknowledging an unreachable ancestor comes from
+  // rank 0 itself (SendDecisions). Whatever that ancestor forwarded before it
+  // was cut off arrived long before rank 0 declared it (the liveness timeout),
+  // so taking this batch after those keeps rank 0's order.
+  if (liveness_ && tree_decisions_ && tree_.parent != 0 && now >= next_root_probe_ && !ack_received_ && !done_) {
+    next_root_probe_ = now + std::chrono::milliseconds(50);
+    if (TryReceive(0, kTagDecide, &from)) {
+      progressed = true;
+      TakeBatch();
     }
-    ready_.push_back(std::move(decisions));
   }
   return progressed;
+}
+
+void Protocol::TakeBatch() {
+  std::vector<Decision> decisions;
+  Decode(bytes_, &decisions);
+  for (const Decision& d : decisions)
+    if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank_) ack_received_ = true;
+  if (tree_decisions_) {
+    // Forwarded before it runs here, so the subtree executes it in parallel.
+    // A departing rank forwards its own acknowledgement before it stops.
+    auto encoded = std::make_shared<std::vector<char>>(bytes_);
+    for (int child : tree_.children) Send(child, kTagDecide, encoded);
+    if (HasDeparture(decisions)) tree_decisions_ = false;  // the next batches come from rank 0
+  }
+  ready_.push_back(std::move(decisions));
+}
+
+void Protocol::SendAround(int rank, const std::shared_ptr<std::vector<char>>& encoded) {
+  if (!departed_[rank]) {
+    Send(rank, kTagDecide, encoded);
+    return;
+  }
+  for (int child : NegotiationTree(rank, size_).children) SendAround(child, encoded);
 }
 
 int64_t Protocol::BatchBytes(const std::vector<Decision>& batch) const {
@@ -331,7 +375,10 @@ void Protocol::RunBatch() {
   const std::vector<Decision> decisions = std::move(ready_.front());
   ready_.pop_front();
   for (const Decision& d : decisions) {
-    if (d.kind == Decision::Kind::kCoordinatorGone) coordinator_gone_ = true;
+    if (d.kind == Decision::Kind::kCoordinatorGone) {
+      coordinator_gone_ = true;
+      if (liveness_) liveness_->Forget(0);  // rank 0's heartbeats stop with its engine
+    }
     if (d.kind == Decision::Kind::kShutdownAck && d.rank == rank_) done_ = true;
     if (!tree_announcements_ || rank_ == 0) continue;
     // The aggregates of what is decided now are complete; what the subtree
@@ -389,6 +436,37 @@ void Protocol::LeaveTree() {
   if (stop_announced_ && !ack_received_ && !coordinator_gone_)
     again.push_back({Announcement::Kind::kShutdown, {}, 0, rank_, {}});
   if (!again.empty()) SendAnnouncements(0, kTagAnnounce, again);
+}
+
+void Protocol::Unreachable() {
+  const std::vector<int> ranks = liveness_->TakeUnreachable();
+  if (done_ || stop_announced_) return;  // this rank is leaving anyway
+  char seconds[32];
+  std::snprintf(seconds, sizeof(seconds), "%g", liveness_->timeout_s());
+  const std::string detail = std::string("no heartbeat for ") + seconds +
+                             " s, TF_MPI_PEER_TIMEOUT_SECONDS: a cut network link, or a stopped or frozen process or host";
+  if (rank_ != 0) {
+    if (coordinator_gone_ || ack_received_) return;  // rank 0 said goodbye, or acknowledged this rank's
+    // Decided batches not run yet would meet rank 0 inside MPI: they are
+    // dropped with the rest. This rank's heartbeats to rank 0 stop (it is no
+    // longer watched), so rank 0, if it is alive after all, fails the others'.
+    const std::string msg = "tf_mpi: rank 0 is unreachable (" + detail + "); no more collectives can run";
+    LogError(msg + "; this rank's pending and later collectives fail");
+    stop_status_ = Status::Aborted(msg);
+    coordinator_gone_ = true;
+    FailAll(&in_flight_, stop_status_);
+    ready_.clear();
+    done_ = true;
+    return;
+  }
+  for (int r : ranks) {
+    if (departed_[r]) continue;
+    LogError("rank " + std::to_string(r) + " is unreachable (" + detail +
+             "); every rank's pending and later collectives fail");
+    coord_->Unreachable(r, detail);
+    departed_[r] = true;  // nothing more is sent to it
+    unreachable_seen_ = true;
+  }
 }
 
 void Protocol::Fail(const std::string& why) {

@@ -30,6 +30,7 @@
 #include "negotiation/negotiation_tree.h"
 #include "negotiation/outbox.h"
 #include "transports/gpu_transport.h"
+#include "transports/liveness.h"
 #include "transports/mpi_context.h"
 
 namespace tfmpi {
@@ -62,6 +63,9 @@ class Protocol {
   bool lost() const { return lost_; }
   // Times each batch's MPI work (watchdog.h); null: not timed.
   void set_watchdog(Watchdog* w) { watchdog_ = w; }
+  // The peer liveness check (liveness.h) whose declarations this protocol
+  // turns into errors; null: none runs.
+  void set_liveness(Liveness* l) { liveness_ = l; }
   // At exit: fails what is pending with `why`, gives peers `limit` to take the
   // last messages (Outbox::Close) and returns what never reached them.
   Outbox::Undelivered Close(const Status& why, Outbox::Clock::duration limit);
@@ -83,15 +87,24 @@ class Protocol {
   void Count(Announcement& a, Clock::time_point now, std::vector<Announcement>* up);
   // 2. Rank 0 decides and sends a batch; a worker receives batches (and forwards them in the tree).
   bool Decide(Clock::time_point now);
-  bool Receive();
+  bool Receive(Clock::time_point now);
+  // One batch of decisions in bytes_ (from the parent, or from rank 0), forwarded and queued.
+  void TakeBatch();
   // Sends decisions to the children (tree) or to every worker still there (star).
   void SendDecisions(const std::shared_ptr<std::vector<char>>& encoded);
   // Executes the oldest decided batch.
   void RunBatch();
   // Bytes the collectives of `batch` move on this rank (what a caller's drive bounds).
   int64_t BatchBytes(const std::vector<Decision>& batch) const;
+  // Sends to `rank`, or, if it was declared unreachable, to its children in the
+  // tree in its stead (recursively).
+  void SendAround(int rank, const std::shared_ptr<std::vector<char>>& encoded);
   // After the first departure: the tree has a hole; from here on the star.
   void LeaveTree();
+  // The liveness check declared peers unreachable. Rank 0: every rank's
+  // pending and later collectives fail naming them (Coordinator::Unreachable);
+  // a worker that lost rank 0: its own fail and the protocol ends here.
+  void Unreachable();
   // The protocol cannot go on (an internal error while negotiating on rank 0):
   // fails what is pending here with `why`, tells the workers that no more
   // decisions come and ends the protocol on this rank.
@@ -127,6 +140,12 @@ class Protocol {
   bool coordinator_gone_ = false;
   bool done_ = false;             // the protocol has ended on this rank
   Watchdog* watchdog_ = nullptr;
+  Liveness* liveness_ = nullptr;
+  bool unreachable_seen_ = false;  // rank 0: a worker was declared unreachable (SendDecisions)
+  // A worker in the tree: when it next looks for a batch from rank 0 itself
+  // (sent around an unreachable ancestor: SendDecisions). Rarely, so the
+  // steady state pays one comparison.
+  Clock::time_point next_root_probe_{};
   // The tree (negotiation_tree.h) until the first departure; the star after.
   // Decisions leave the tree when a batch with a departure is received (and
   // forwarded), announcements when it is executed.

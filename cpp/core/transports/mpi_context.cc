@@ -84,7 +84,8 @@ Status MpiContext::Init(const InitOptions& opts) {
     // engine thread, or a caller driving a small request: Protocol::Step), and
     // Init/Shutdown call MPI only while no engine thread runs. The one
     // exception is MPI_Abort, which may come from any thread, since a job
-    // stuck inside a collective must still be killable. So
+    // stuck inside a collective must still be killable. (The peer liveness
+    // check calls MPI from a thread of its own, so it is off here: liveness.h.) So
     // MPI_THREAD_SERIALIZED is enough for the engine alone, and is accepted
     // when this library initialised MPI itself (an MPI built without
     // MPI_THREAD_MULTIPLE). MPI initialised by other code at a lower level
@@ -142,6 +143,7 @@ Status MpiContext::Init(const InitOptions& opts) {
   if (opts.elastic) WatchPeerFailures(comm_);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
+  if (!opts.elastic) MPI_Comm_dup(comm_, &liveness_comm_);
 
   if (Status t = SplitTopology(); !t.ok()) {
     Release();  // retires comm_; nothing else exists yet
@@ -214,7 +216,8 @@ void MpiContext::Release() {
   // then is never delivered (tests/workers/hardening_worker.py, "stale").
   // One communicator per init() is kept until MPI_Finalize.
   static auto* kept = new std::vector<MPI_Comm>();
-  for (MPI_Comm* c : {&comm_}) {
+  // The liveness communicator likewise (a heartbeat sent to a stopped engine).
+  for (MPI_Comm* c : {&comm_, &liveness_comm_}) {
     if (*c == MPI_COMM_NULL) continue;
     ForgetPeerFailures(*c);
     kept->push_back(*c);

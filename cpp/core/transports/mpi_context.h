@@ -41,6 +41,9 @@ class MpiContext {
   static bool ThreadMultiple();
 
   MPI_Comm comm() const { return comm_; }
+  // A second duplicate, for the peer liveness check's heartbeats alone
+  // (liveness.h); MPI_COMM_NULL in elastic mode, where that check is off.
+  MPI_Comm liveness_comm() const { return liveness_comm_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
   int local_rank() const { return local_rank_; }
@@ -64,6 +67,7 @@ class MpiContext {
   Status SplitTopology();
 
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm liveness_comm_ = MPI_COMM_NULL;
   MPI_Comm node_comm_ = MPI_COMM_NULL, cross_comm_ = MPI_COMM_NULL;
   bool homogeneous_ = true;
   std::string topology_source_;

@@ -10,7 +10,14 @@ The scenario is argv[1]; tests/test_hardening.py launches each one.
   big         np=1, TF_MPI_CHUNK_BYTES=64 MiB: a reducescatter of more than 2^31
               elements per rank works (calloc'd zeros in, 2 GiB out)
   corrupt     np=3: rank 1 sends rank 0 a garbled announcement; rank 0 stops
-              coordinating cleanly, every rank's op fails, shutdown() + init() recover
+              coordinating cleanly, every rank's op fails, shutdown() + init() recover.
+              Then, in the same launch, the peer liveness check with
+              TF_MPI_PEER_TIMEOUT_SECONDS=2 (from a re-init on): a rank whose Python
+              sleeps 3x the timeout before submitting is not declared unreachable; a
+              SIGSTOPped worker, then a SIGSTOPped rank 0, is, while the others wait in
+              negotiation: their collectives fail naming it within the timeout + 3 s;
+              resumed (SIGCONT), the stopped rank's own fail too (nobody sends to it
+              any more), and shutdown() + init() recover
   stale       np=2: a message sent to a stopped engine is not taken for traffic of the
               engine the next init() starts
   serialized  np=2: MPI initialised by mpi4py at MPI_THREAD_SERIALIZED is refused
@@ -21,6 +28,7 @@ The scenario is argv[1]; tests/test_hardening.py launches each one.
               rank with a message naming it (not a hang); init() then works once fixed
 """
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,7 +38,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _checks import run_checks  # noqa: E402
+from _checks import run_checks, set_environ  # noqa: E402
 
 # The pybind module alone (tf_mpi/__init__.py imports TensorFlow).
 _pkg = types.ModuleType("tf_mpi")
@@ -250,6 +258,56 @@ elif SCENARIO == "corrupt":
         _core.init()
         for i in range(3):
             sum_of_ranks(f"after.reinit.{i}")
+
+    # The peer liveness check (cpp/core/transports/liveness.h), in this launch to save one.
+    PEER_TIMEOUT_S = 2
+
+    def check_a_rank_whose_python_is_busy_is_not_declared_unreachable():
+        _core.shutdown()
+        set_environ({"TF_MPI_PEER_TIMEOUT_SECONDS": PEER_TIMEOUT_S})
+        _core.init()
+        sum_of_ranks("busy.before")
+        if _core.rank() == 1:
+            time.sleep(3 * PEER_TIMEOUT_S)  # submits nothing; its engine's heartbeats go on
+        sum_of_ranks("busy.after")           # ranks 0 and 2 waited for it in negotiation
+        sum_of_ranks("busy.next")
+
+    def stop_and_expect_unreachable(victim, tag):
+        """`victim` stops itself (SIGSTOP) while the others wait for it in negotiation: each of them
+        must get an error naming it; the lowest of them then resumes it (SIGCONT), and the victim's
+        next collective fails too (nobody sends it heartbeats any more). shutdown() + init() recover."""
+        r = _core.rank()
+        pids = WORLD.allgather(os.getpid())
+        others = [q for q in range(_core.size()) if q != victim]
+        sum_of_ranks(f"{tag}.before")
+        try:
+            if r == victim:
+                os.kill(os.getpid(), signal.SIGSTOP)
+                # A name the others never submit: rank 0 fails it once it has found the others unreachable.
+                expect_error(lambda: sum_of_ranks(f"{tag}.resumed"), "is unreachable", within=PEER_TIMEOUT_S + 5)
+            else:
+                # Between the timeout and the timeout + 2 heartbeat intervals (1/3 s each) after the stop.
+                expect_error(lambda: sum_of_ranks(f"{tag}.during"), f"rank {victim} is unreachable",
+                             "TF_MPI_PEER_TIMEOUT_SECONDS", within=PEER_TIMEOUT_S + 3)
+                # Later collectives fail at once, until shutdown() and init().
+                expect_error(lambda: sum_of_ranks(f"{tag}.later"), f"rank {victim} is unreachable", within=1)
+        finally:
+            if r != victim:
+                # Neither leaves (shutdown) before the other has seen its errors: a rank 0
+                # leaving fails the others' collectives with its own reason.
+                other = others[1 - others.index(r)]
+                WORLD.sendrecv(r, dest=other, source=other)
+                if r == others[0]:
+                    os.kill(pids[victim], signal.SIGCONT)
+            _core.shutdown()
+            _core.init()
+        sum_of_ranks(f"{tag}.reinit")
+
+    def check_a_stopped_worker_is_unreachable_for_every_other_rank():
+        stop_and_expect_unreachable(2, "stop2")
+
+    def check_a_stopped_rank_0_is_unreachable_for_every_worker():
+        stop_and_expect_unreachable(0, "stop0")
 
 elif SCENARIO == "stale":
     def check_a_message_sent_to_a_stopped_engine_never_reaches_the_next_one():

@@ -2,7 +2,8 @@
 
 Two jobs run at the same time on one test-bed cluster of six hosts (prefix
 "flt", its own subnet), each on three hosts with one rank per host, running
-tests/workers/cluster_fault_worker.py (allreduces in a loop, numpy only):
+tests/workers/cluster_fault_worker.py (allreduces in a loop, numpy only); a
+third one follows the first on its hosts:
 
 - kill: every process of the third host is SIGKILLed (Cluster.kill_host). The
   launch must end within KILL_LIMIT_S, name the lost host, and leave no process
@@ -13,10 +14,17 @@ tests/workers/cluster_fault_worker.py (allreduces in a loop, numpy only):
   its error in the log (the first rank whose watchdog fires aborts the job, so
   the other may be ended by that abort before it logs its own). Should the
   cut come while rank 0 still waits for the cut-off rank's announcement, no
-  one is inside MPI: that is the stall inspector's case, and
-  TF_MPI_STALL_SHUTDOWN_TIME_SECONDS=3 ends the job instead. The link is then restored: within
+  one is inside MPI: the peer liveness check (TF_MPI_PEER_TIMEOUT_SECONDS=2
+  here) ends the job instead, as in the next job. The link is then restored: within
   RELINK_LIMIT_S nothing of the job may be left on any host (the cut-off
   host's daemon and rank included), and the launch must have ended non-zero.
+- negotiation: the third host's rank stops submitting (TF_MPI_TEST_QUIET_RANK)
+  and the other two wait in negotiation for its announcement, inside no MPI
+  call; then its cable is pulled. Rank 0 must declare rank 2 unreachable (no
+  heartbeat for TF_MPI_PEER_TIMEOUT_SECONDS), the connected ranks' collectives
+  fail naming it, and they are gone within LINK_LIMIT_S, without
+  TF_MPI_STALL_SHUTDOWN_TIME_SECONDS (a slow rank is still waited for forever);
+  after the link is restored, nothing is left, as above.
 
 Times are taken by polling /proc and the namespaces' process lists every 20 ms.
 """
@@ -35,8 +43,8 @@ from mpi_harness import WORKERS, launch_env, process_alive
 
 KILL_LIMIT_S = 10
 WATCHDOG_S = 2
-STALL_S = 3                 # a cut while rank 0 still waits for the cut-off rank's announcement
-LINK_LIMIT_S = 8            # watchdog 2 s (stall 3 s) + one check period + the abort's 2 s grace, margin
+PEER_S = 2                  # a cut while rank 0 still waits for the cut-off rank's announcement
+LINK_LIMIT_S = 8            # watchdog (or peer timeout) 2 s + one check period + the abort's 2 s grace, margin
 RELINK_LIMIT_S = 30
 START_TIMEOUT_S = 90
 _runs = {}
@@ -57,8 +65,9 @@ def _job(c, scenario, hosts):
     # As a user launches across hosts (tf_mpi.run forwards the TF_MPI_* settings itself).
     cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "3", "--host", ",".join(f"{h}:1" for h in hosts),
            "--map-by", "node", sys.executable, os.path.join(WORKERS, "cluster_fault_worker.py")]
+    quiet = {"TF_MPI_TEST_QUIET_RANK": "2"} if scenario == "negotiation" else {}
     env = c.env(launch_env({"TF_MPI_TEST_OUT": out, "TF_MPI_MPI_TIMEOUT_SECONDS": str(WATCHDOG_S),
-                                      "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": str(STALL_S)}))
+                            "TF_MPI_PEER_TIMEOUT_SECONDS": str(PEER_S), **quiet}))
     log_path = os.path.join(out, "log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(c.command(cmd, host=hosts[0]), env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -66,6 +75,10 @@ def _job(c, scenario, hosts):
     try:
         going = _wait(lambda: all(os.path.exists(os.path.join(out, f"going.{r}")) for r in range(3))
                       or proc.poll() is not None, START_TIMEOUT_S)
+        if going and quiet:
+            # Rank 2 has stopped submitting; the others are in their next collective's negotiation.
+            going = _wait(lambda: os.path.exists(os.path.join(out, "quiet.2")) or proc.poll() is not None, 10)
+            time.sleep(0.5)
         run["started"] = going is not None and proc.poll() is None
         if not run["started"]:
             return
@@ -109,7 +122,11 @@ def runs():
     c = cluster.Cluster(hosts=6, slots=1, prefix="flt", net=5)
     try:
         c.up()
-        threads = [threading.Thread(target=_job, args=(c, "kill", c.hosts[:3])),
+        def kill_then_negotiation():
+            _job(c, "kill", c.hosts[:3])
+            _job(c, "negotiation", c.hosts[:3])   # the killed host's namespace is still there
+
+        threads = [threading.Thread(target=kill_then_negotiation),
                    threading.Thread(target=_job, args=(c, "link", c.hosts[3:]))]
         for t in threads:
             t.start()
@@ -151,20 +168,35 @@ def test_a_cut_link_is_an_error_on_every_connected_rank(runs):
     assert after is not None and WATCHDOG_S <= after < LINK_LIMIT_S, _describe(run)
     # Whichever connected rank's watchdog fires first aborts the job; the other one may be ended by
     # that abort (or by MPI seeing its peer's socket close) before its own watchdog fires. A cut that
-    # comes while rank 0 still waits for the cut-off rank's announcement is the stall inspector's
-    # (nobody is inside MPI yet): its error instead.
+    # comes while rank 0 still waits for the cut-off rank's announcement is the peer liveness
+    # check's (nobody is inside MPI yet): its error instead.
     reported = [r for r, (_, host) in run["ranks"].items() if host != run["victim"] and re.search(
         rf"\[tf_mpi rank {r}\] ERROR: collective 'loop' \(4096 bytes\) has been inside MPI for [\d.]+ s",
         run["output"])]
-    stalled = re.search(r"stalled.*never submitted by rank 2", run["output"]) is not None
-    print(f"link: watchdog error logged by connected rank(s) {reported}; stall error: {stalled}")
-    assert reported or stalled, _describe(run)
+    unreachable = "[tf_mpi rank 0] ERROR: rank 2 is unreachable" in run["output"]
+    print(f"link: watchdog error logged by connected rank(s) {reported}; rank 2 declared unreachable: {unreachable}")
+    assert reported or unreachable, _describe(run)
 
 
-def test_after_the_link_returns_nothing_is_left(runs):
-    run = runs["link"]
+def test_a_cut_link_during_negotiation_is_an_error_naming_the_lost_rank(runs):
+    run = runs["negotiation"]
     assert run["started"], _describe(run)
-    print(f"link: every process on every host gone {run['gone_after_relink']} s after the link came back, "
+    after = run["survivors_after"]
+    print(f"negotiation: connected ranks gone {after} s after the cut (peer timeout {PEER_S} s)")
+    # Declared between the timeout and the timeout + 2 heartbeat intervals (1/3 s) after the last
+    # heartbeat, which may have come up to 2 intervals before the cut.
+    assert after is not None and PEER_S - 1 <= after < LINK_LIMIT_S, _describe(run)
+    assert "[tf_mpi rank 0] ERROR: rank 2 is unreachable (no heartbeat for 2 s" in run["output"], _describe(run)
+    # The connected ranks' collective failed with that reason (their uncaught error aborted the job).
+    assert re.search(r"collective 'loop' cannot complete: rank 2 is unreachable", run["output"]), _describe(run)
+    assert "has been inside MPI" not in run["output"], "nobody was inside MPI\n" + _describe(run)
+
+
+@pytest.mark.parametrize("scenario", ["link", "negotiation"])
+def test_after_the_link_returns_nothing_is_left(runs, scenario):
+    run = runs[scenario]
+    assert run["started"], _describe(run)
+    print(f"{scenario}: every process on every host gone {run['gone_after_relink']} s after the link came back, "
           f"rc={run['rc']}; mpirun still running while the link was down: {run['launcher_waiting_at_relink']}")
     assert run["gone_after_relink"] is not None and run["gone_after_relink"] < RELINK_LIMIT_S, _describe(run)
     assert not any(run["left"].values()), _describe(run)

@@ -7,7 +7,9 @@ correct collectives; then it keeps going until a host is killed or cut off.
 Each result is checked, so the loop cannot run on wrong numbers unnoticed.
 TF_MPI_TEST_ELEMENTS sets the float32 elements per allreduce (default 1024);
 tests/test_faults.py also runs it on one host with a large one and a tiny
-watchdog limit.
+watchdog limit. With TF_MPI_TEST_QUIET_RANK=r, rank r stops submitting after
+going.<r> (it writes quiet.<r> and sleeps; its engine runs on), so the other
+ranks wait in negotiation for its next announcement, inside no MPI call.
 """
 import os
 import socket
@@ -25,6 +27,9 @@ basics.init()  # as a user's script: an uncaught error (a stalled collective) ab
 rank, size = _core.rank(), _core.size()
 with open(os.path.join(OUT, f"pid.{rank}"), "w") as f:
     f.write(f"{os.getpid()} {socket.gethostname()}")
+if rank == 0:
+    print(f"cluster_fault_worker: tf_mpi from {os.path.dirname(basics.__file__)}", flush=True)
+quiet = int(os.environ.get("TF_MPI_TEST_QUIET_RANK", "-1"))
 x = np.full(int(os.environ.get("TF_MPI_TEST_ELEMENTS", "1024")), rank + 1, np.float32)
 expected = size * (size + 1) / 2
 i = 0
@@ -36,3 +41,7 @@ while True:
     if i == 200:
         with open(os.path.join(OUT, f"going.{rank}"), "w") as f:
             f.write(repr(time.time()))
+        if rank == quiet:
+            with open(os.path.join(OUT, f"quiet.{rank}"), "w") as f:
+                f.write(repr(time.time()))
+            time.sleep(3600)  # ended from outside

@@ -88,14 +88,21 @@ void Liveness::Beat(int peer) {
 void Liveness::Run() {
   const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   std::vector<bool> watched;
+  Clock::time_point last_round = Clock::now();
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!running_) return;
       watched = watched_;
     }
-    // Whatever arrived counts, from a forgotten peer too (it is ignored then).
     Clock::time_point now = Clock::now();
+    // This thread did not run for half the timeout (the process was stopped,
+    // or its host froze): it saw nothing of its peers meanwhile, so their
+    // silence counts from now. A job stopped and resumed as a whole thus
+    // declares no one; a rank stopped alone is declared by the others.
+    if (now - last_round > timeout / 2) std::fill(last_heard_.begin(), last_heard_.end(), now);
+    last_round = now;
+    // Whatever arrived counts, from a forgotten peer too (it is ignored then).
     int flag = 1, beat = 0;
     MPI_Status status;
     while (true) {

@@ -21,7 +21,10 @@
 //  - A rank whose Python side is busy, whose engine thread is inside a long
 //    MPI call, or whose completion callbacks block keeps sending: this thread
 //    depends on none of them. A stopped process (SIGSTOP) sends nothing and is
-//    declared unreachable after the timeout, as a frozen host would be.
+//    declared unreachable after the timeout, as a frozen host would be. Its
+//    own thread, when it runs again after more than half the timeout, counts
+//    its peers' silence from then on (it saw nothing meanwhile), so a job
+//    stopped and resumed as a whole declares no one.
 //  - A declaration only records the rank and wakes the engine (`wake`); the
 //    protocol (negotiation/protocol.cc) turns it into errors: rank 0 fails
 //    every pending and later collective on every rank, naming the rank (the

@@ -15,9 +15,10 @@ The scenario is argv[1]; tests/test_hardening.py launches each one.
               TF_MPI_PEER_TIMEOUT_SECONDS=2 (from a re-init on): a rank whose Python
               sleeps 3x the timeout before submitting is not declared unreachable; a
               SIGSTOPped worker, then a SIGSTOPped rank 0, is, while the others wait in
-              negotiation: their collectives fail naming it within the timeout + 3 s;
-              resumed (SIGCONT), the stopped rank's own fail too (nobody sends to it
-              any more), and shutdown() + init() recover
+              negotiation: their collectives fail naming it within the timeout + 3 s
+              (a worker's shutdown() while rank 0 is stopped returns as soon); resumed
+              (SIGCONT), the stopped rank's own fail too (nobody sends to it any more),
+              and shutdown() + init() recover
   stale       np=2: a message sent to a stopped engine is not taken for traffic of the
               engine the next init() starts
   serialized  np=2: MPI initialised by mpi4py at MPI_THREAD_SERIALIZED is refused
@@ -272,10 +273,12 @@ elif SCENARIO == "corrupt":
         sum_of_ranks("busy.after")           # ranks 0 and 2 waited for it in negotiation
         sum_of_ranks("busy.next")
 
-    def stop_and_expect_unreachable(victim, tag):
+    def stop_and_expect_unreachable(victim, tag, resumed_error, leaver=None):
         """`victim` stops itself (SIGSTOP) while the others wait for it in negotiation: each of them
         must get an error naming it; the lowest of them then resumes it (SIGCONT), and the victim's
-        next collective fails too (nobody sends it heartbeats any more). shutdown() + init() recover."""
+        next collective fails too (`resumed_error`: nobody sends it heartbeats any more).
+        `leaver`, if given, calls shutdown() instead, which waits for rank 0's acknowledgement:
+        it must return once rank 0 is declared. shutdown() + init() recover."""
         r = _core.rank()
         pids = WORLD.allgather(os.getpid())
         others = [q for q in range(_core.size()) if q != victim]
@@ -284,7 +287,11 @@ elif SCENARIO == "corrupt":
             if r == victim:
                 os.kill(os.getpid(), signal.SIGSTOP)
                 # A name the others never submit: rank 0 fails it once it has found the others unreachable.
-                expect_error(lambda: sum_of_ranks(f"{tag}.resumed"), "is unreachable", within=PEER_TIMEOUT_S + 5)
+                expect_error(lambda: sum_of_ranks(f"{tag}.resumed"), resumed_error, within=PEER_TIMEOUT_S + 5)
+            elif r == leaver:
+                start = time.time()
+                _core.shutdown()
+                assert time.time() - start < PEER_TIMEOUT_S + 3, time.time() - start
             else:
                 # Between the timeout and the timeout + 2 heartbeat intervals (1/3 s each) after the stop.
                 expect_error(lambda: sum_of_ranks(f"{tag}.during"), f"rank {victim} is unreachable",
@@ -304,10 +311,11 @@ elif SCENARIO == "corrupt":
         sum_of_ranks(f"{tag}.reinit")
 
     def check_a_stopped_worker_is_unreachable_for_every_other_rank():
-        stop_and_expect_unreachable(2, "stop2")
+        stop_and_expect_unreachable(2, "stop2", "rank 0 is unreachable")
 
     def check_a_stopped_rank_0_is_unreachable_for_every_worker():
-        stop_and_expect_unreachable(0, "stop0")
+        # Resumed, rank 0 finds rank 2's departure (it fails the collective at once, naming it).
+        stop_and_expect_unreachable(0, "stop0", "rank 2 called shutdown()", leaver=2)
 
 elif SCENARIO == "stale":
     def check_a_message_sent_to_a_stopped_engine_never_reaches_the_next_one():

@@ -414,7 +414,8 @@ void Engine::Loop() {
     // of microseconds to wake. Then poll in slices of at most poll_us that a
     // new submission cuts short. With nothing in flight on this rank nothing
     // can be decided (every decision needs this rank's own announcement), so
-    // a worker sleeps until a submission and rank 0 wakes only every
+    // a worker sleeps until a submission (or a declaration of the peer
+    // liveness check, which wakes it: liveness.h) and rank 0 wakes only every
     // kCoordinatorIdleWake for the stall inspector and departing peers: on a
     // machine where training uses every core, each idle wake-up is CPU taken
     // from backprop (1 ms polling cost rank 0 ~3 % of a core in the LSTM

@@ -440,12 +440,14 @@ void Protocol::LeaveTree() {
 
 void Protocol::Unreachable() {
   const std::vector<int> ranks = liveness_->TakeUnreachable();
-  if (done_ || stop_announced_) return;  // this rank is leaving anyway
+  if (done_) return;
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%g", liveness_->timeout_s());
   const std::string detail = std::string("no heartbeat for ") + seconds +
                              " s, TF_MPI_PEER_TIMEOUT_SECONDS: a cut network link, or a stopped or frozen process or host";
   if (rank_ != 0) {
+    // (A worker that announced its departure and waits for the acknowledgement
+    // goes on here: shutdown() would otherwise wait for an unreachable rank 0.)
     if (coordinator_gone_ || ack_received_) return;  // rank 0 said goodbye, or acknowledged this rank's
     // Decided batches not run yet would meet rank 0 inside MPI: they are
     // dropped with the rest. This rank's heartbeats to rank 0 stop (it is no
@@ -459,6 +461,7 @@ void Protocol::Unreachable() {
     done_ = true;
     return;
   }
+  if (stop_announced_) return;  // rank 0 is leaving: the workers have been told
   for (int r : ranks) {
     if (departed_[r]) continue;
     LogError("rank " + std::to_string(r) + " is unreachable (" + detail +

@@ -3,12 +3,15 @@ messages per steady-state step, counted by the engine, with the tree and with
 the star (TF_MPI_NEGOTIATION) in one launch; and with the tree: results,
 a first-time and a cached mismatch (FailedPrecondition naming the ranks),
 an allgather whose rows change on one rank, join by an inner and a leaf rank,
-a stall naming the missing rank, and one rank shutting down early.
+a stall naming the missing rank, one rank shutting down early, and an inner
+rank of the tree stopped (SIGSTOP) while the others wait for it: declared
+unreachable by the peer liveness check, its subtree told by rank 0 directly.
 numpy and the pybind module only (no TensorFlow: each launch starts in about
 a second). Per-step counts go to $TF_MPI_NEGOTIATION_COUNTS/<mode>.rank<r>.json.
 """
 import json
 import os
+import signal
 import sys
 import time
 import types
@@ -200,6 +203,38 @@ def check_one_rank_shutting_down_early():
         _core.shutdown()
     _core.init()
     step("after.early.shutdown")
+
+
+def check_a_stopped_inner_rank_is_declared_unreachable_through_the_tree():
+    # Rank 4 (subtree 4..7 at N = 8: children 5 and 6, grandchild 7) or rank 2 (child 3 at N = 4)
+    # stops itself while the others wait for it in a cached collective. Rank 0 declares it
+    # unreachable; its subtree, which waits for decisions from it, gets that batch from rank 0.
+    victim = 4 if N >= 8 else 2 if N > 2 else 1
+    timeout_s = 2
+    reinit(TF_MPI_PEER_TIMEOUT_SECONDS=timeout_s)
+    pids = MPI.COMM_WORLD.allgather(os.getpid())
+    world = MPI.COMM_WORLD
+    others = world.Create_group(world.Get_group().Excl([victim]))  # collective over the others only
+    try:
+        _core.allreduce(np.ones(1, np.float32), SUM, "needs.stopped")  # cached from here on
+        if R == victim:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            # Resumed: rank 0 sends it nothing any more, so it finds rank 0 unreachable in turn.
+            expect_error(lambda: _core.allreduce(np.ones(1, np.float32), SUM, "needs.stopped.resumed"),
+                         "rank 0 is unreachable")
+        else:
+            start = time.time()
+            expect_error(lambda: _core.allreduce(np.ones(1, np.float32), SUM, "needs.stopped"),
+                         f"rank {victim} is unreachable")
+            assert time.time() - start < timeout_s + 3, time.time() - start
+    finally:
+        if R != victim:
+            others.Barrier()  # rank 0 leaves (below) only once every other rank has its error
+            if R == 0:
+                os.kill(pids[victim], signal.SIGCONT)
+        others.Free() if others != MPI.COMM_NULL else None
+        reinit(TF_MPI_PEER_TIMEOUT_SECONDS=None)
+    step("after.stopped")
 
 
 run_checks(globals(), R)

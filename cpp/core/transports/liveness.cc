@@ -50,6 +50,9 @@ void Liveness::Stop() {
   cv_.notify_all();
   if (!thread_.joinable()) return;
   thread_.join();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) requests_.clear();  // nothing left to release
   for (MPI_Request& r : requests_) {
     if (r == MPI_REQUEST_NULL) continue;
     int done = 0;

@@ -153,7 +153,10 @@ def setup_tfmpi(args, spec, tf, keras):
     dataset = bench_models.synthetic_dataset(spec, BATCH_PER_PROCESS, seed=args.seed + hvd.rank())
 
     def plan_facts():
-        from tf_mpi.policy.sparse import measured_costs
+        try:
+            from tf_mpi.policy.sparse import measured_costs
+        except ImportError:  # a build from before tf_mpi/policy/ (elastic_cost.py --baseline compares builds)
+            from tf_mpi.sparse import measured_costs
         plan = optimizer.grouping_plan
         costs = measured_costs()  # measured only where sparse="auto" traced without a forced threshold
         return {"sparse_dedup_threshold": costs.dedup_threshold if costs else None,

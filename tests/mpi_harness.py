@@ -384,6 +384,21 @@ def start_shared(fn, *args, heavy=False, alone=False, long=False, **kwargs):
         return _futures[key]
 
 
+def start_waiting(fn, *args, **kwargs):
+    """Starts fn(*args, **kwargs) at once in a thread of its own, beside the pool, unless the same
+    call was started already; returns its Future (shared_run of the same call takes the result).
+    For a launch that spends most of its time waiting (steps that sleep, detectors' time-outs,
+    relaunches), so that it holds none of the pool's PARALLEL slots for that time."""
+    key = _key_of(fn, args, kwargs)
+    with _futures_lock:
+        if key in _futures:
+            return _futures[key]
+        job = _jobs[key] = _Job(fn, args, kwargs, heavy=False, alone=False)
+        _futures[key] = job.future
+    threading.Thread(target=job.run, daemon=True, name="waiting-launch").start()
+    return job.future
+
+
 def shared_run(fn, *args, heavy=False, alone=False, long=False, **kwargs):
     """fn(*args, **kwargs) once per session: the result of the call started earlier with the same
     arguments (run now in the caller's thread if no pool thread has taken it yet, else waited for),

@@ -14,6 +14,7 @@ with a stand-in mpirun.)
 """
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mpi_harness  # noqa: E402
 from cluster import Cluster, unavailable_reason  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,13 +36,20 @@ KILL_AT = 4            # the committed step after which the second host is kille
 LAUNCH_TIMEOUT = 420   # two TensorFlow start-ups on a loaded 2-core machine, and the training
 
 
-@pytest.fixture(scope="module")
-def two_hosts():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with Cluster(hosts=2, slots=2, prefix="rl", net=19) as c:
-        yield c
+def prefetch(items):
+    """Starts the scenario in the background as the session starts (tests/conftest.py), in a
+    thread of its own: it spends most of its time waiting for steps, relaunches and the
+    detector, not computing."""
+    if mpi_harness.selected_tests(items):
+        mpi_harness.start_waiting(_scenario)
+
+
+def scenario():
+    """The scenario's outcome (run once per session; see _scenario)."""
+    outcome = mpi_harness.shared_run(_scenario)
+    if "skip" in outcome:
+        pytest.skip(outcome["skip"])
+    return outcome
 
 
 def _env(**extra):
@@ -120,52 +129,64 @@ def _lose_a_host_and_get_it_back(c, out, listing, script):
     return rc, output, recovery, False
 
 
-def test_lost_host_relaunch_then_growth_when_it_returns(two_hosts, tmp_path):
+def _scenario():
+    """Brings up 2 pretend hosts x 2 slots, runs the scenario (once more after Open MPI's start-up
+    crash), tears the hosts down. Returns what the tests check: the launcher's exit status and
+    output, rank 0's result.json, and the processes found in the pretend hosts afterwards."""
+    reason = unavailable_reason()
+    if reason:
+        return {"skip": reason}
+    with Cluster(hosts=2, slots=2, prefix="rl", net=19) as c, tempfile.TemporaryDirectory() as tmp:
+        listing = pathlib.Path(tmp) / "hosts.txt"
+        script = os.path.join(tmp, "hosts.sh")
+        with open(script, "w") as f:
+            f.write(f"#!/bin/sh\ncat {listing}\n")
+        os.chmod(script, 0o755)
+        for attempt in range(2):
+            out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")   # every pretend host sees it
+            rc, output, recovery, crashed_at_start = _lose_a_host_and_get_it_back(c, out, listing, script)
+            # Open MPI 5.0's heartbeat thread now and then crashes a rank inside MPI_Init
+            # (docs/elastic.md, "Limits"): the job goes on with 3 ranks before the kill. Once more.
+            if not crashed_at_start:
+                break
+            print(f"start-up failure, launching again:\n{output[-3000:]}")
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            with open(os.path.join(out, "result.json")) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            result = None
+        shutil.rmtree(out, ignore_errors=True)
+        time.sleep(1)
+        left = {h: c.pids(h) for h in c.hosts if c.pids(h)}
+        return {"rc": rc, "output": output, "result": result, "hosts": list(c.hosts), "left": left}
+
+
+def test_lost_host_relaunch_then_growth_when_it_returns():
     """h2 killed: the launcher relaunches 2 ranks on h1 (the hosts the script lists); they resume
     from the last commit; h2 listed again: the ranks end at a commit and the launcher relaunches
     4 ranks on both hosts, which resume and finish with the replay's weights."""
-    c = two_hosts
-    listing = tmp_path / "hosts.txt"
-    script = tmp_path / "hosts.sh"
-    script.write_text(f"#!/bin/sh\ncat {listing}\n")
-    script.chmod(0o755)
-    for attempt in range(2):
-        out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")   # every pretend host sees it
-        rc, output, recovery, crashed_at_start = _lose_a_host_and_get_it_back(c, out, listing, script)
-        # Open MPI 5.0's heartbeat thread now and then crashes a rank inside MPI_Init
-        # (docs/elastic.md, "Limits"): the job goes on with 3 ranks before the kill. Once more.
-        if not crashed_at_start:
-            break
-        print(f"start-up failure, launching again:\n{output[-3000:]}")
-        shutil.rmtree(out, ignore_errors=True)
-    assert rc == 0, output[-8000:]
-    h1, h2 = c.hosts
+    s = scenario()
+    output = s["output"]
+    assert s["rc"] == 0, output[-8000:]
+    h1, h2 = s["hosts"]
     assert f"tf_mpi.run: lost {h2}: relaunch 1 of 3 with 2 rank(s) on {h1}, resuming from" in output, output[-8000:]
     assert f"tf_mpi.run: the discovery script lists more hosts: relaunch with 4 rank(s) on {h1},{h2}" in output, \
         output[-8000:]
     assert "relaunch 2 of" not in output, output[-8000:]   # growing is not a restart after a failure
-    r = _result(out)
+    r = s["result"]
+    assert r is not None, output[-8000:]
+    print(f"sizes {r['sizes']}; max |diff| vs replay {r['max_abs_diff_vs_replay']:.2e}")
+    assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
     sizes = r["sizes"]
-    assert r["size"] == 4, r
+    assert len(sizes) == STEPS and r["size"] == 4, r
     first_two = sizes.index(2)
     back = first_two + sizes[first_two:].index(4)
     assert first_two >= KILL_AT and set(sizes[:first_two]) == {4}, sizes
     assert set(sizes[first_two:back]) == {2} and set(sizes[back:]) == {4}, sizes
     assert first_two % 2 == 0 and back % 2 == 0   # each job resumed at a commit (every 2 steps)
-    shutil.rmtree(out, ignore_errors=True)
 
 
-def _result(out):
-    with open(os.path.join(out, "result.json")) as f:
-        r = json.load(f)
-    print(f"sizes {r['sizes']}; max |diff| vs replay {r['max_abs_diff_vs_replay']:.2e}")
-    assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
-    assert len(r["sizes"]) == STEPS, r
-    return r
-
-
-def test_nothing_of_the_test_bed_is_left(two_hosts):
-    """After the launches: no process in the pretend hosts (the namespaces go with the module)."""
-    c = two_hosts
-    time.sleep(1)
-    assert all(not c.pids(h) for h in c.hosts), {h: c.pids(h) for h in c.hosts}
+def test_nothing_of_the_test_bed_is_left():
+    """After the launches: no process in the pretend hosts (the namespaces go with the scenario)."""
+    assert scenario()["left"] == {}

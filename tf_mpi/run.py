@@ -759,6 +759,8 @@ def elastic_verdict(marks, min_np, mpirun_rc):
         where = ", ".join(f"{m.get('host')} pid {m.get('pid')}" for m in failed[:4])
         return 1, f"{len(failed)} rank(s) marked a failure ({where})"
     if len(done) >= min_np:
+        if any(m.get("relaunch") for m in done):  # they ended at a commit, to be started with more hosts
+            return 0, f"{len(done)} rank(s) ended to be started again with more hosts (min-np {min_np})"
         return 0, f"{len(done)} rank(s) finished (min-np {min_np})"
     if not marks and mpirun_rc:
         status = mpirun_rc if 0 < mpirun_rc < 256 else 1
@@ -831,10 +833,8 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, re
         t.join(5)
     marks = read_marks(status_dir, printed)
     status, why = elastic_verdict(marks, min_np, rc)
-    if status == 0 and any(m.get("relaunch") for m in marks):
-        why = why.replace("finished", "ended to be started again with more hosts", 1)
-        if relaunch is not None:
-            relaunch.append(True)
+    if status == 0 and any(m.get("relaunch") for m in marks) and relaunch is not None:
+        relaunch.append(True)
     if lost.is_set():
         why += "; mpirun lost a host, which ends an Open MPI job (see its message above)"
         if lost_hosts is not None:

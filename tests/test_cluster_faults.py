@@ -18,6 +18,9 @@ third one follows the first on its hosts:
   here) ends the job instead, as in the next job. The link is then restored: within
   RELINK_LIMIT_S nothing of the job may be left on any host (the cut-off
   host's daemon and rank included), and the launch must have ended non-zero.
+  Before the link is restored, the launch itself must be over: Open MPI's
+  launcher would wait for the cut-off host's daemon until the link returns;
+  tf_mpi.run ends it EXIT_GRACE_S after it reported the job failed.
 - negotiation: the third host's rank stops submitting (TF_MPI_TEST_QUIET_RANK)
   and the other two wait in negotiation for its announcement, inside no MPI
   call; then its cable is pulled. Rank 0 must declare rank 2 unreachable (no
@@ -46,6 +49,8 @@ WATCHDOG_S = 2
 PEER_S = 2                  # a cut while rank 0 still waits for the cut-off rank's announcement
 LINK_LIMIT_S = 8            # watchdog (or peer timeout) 2 s + one check period + the abort's 2 s grace, margin
 RELINK_LIMIT_S = 30
+EXIT_GRACE_S = 2            # TF_MPI_RUN_EXIT_GRACE_SECONDS: mpirun's time to end after it reported the failure
+LAUNCH_LIMIT_S = LINK_LIMIT_S + EXIT_GRACE_S + 3   # + the launcher's last second of reading mpirun's pipes, margin
 START_TIMEOUT_S = 90
 _runs = {}
 
@@ -67,7 +72,8 @@ def _job(c, scenario, hosts):
            "--map-by", "node", sys.executable, os.path.join(WORKERS, "cluster_fault_worker.py")]
     quiet = {"TF_MPI_TEST_QUIET_RANK": "2"} if scenario == "negotiation" else {}
     env = c.env(launch_env({"TF_MPI_TEST_OUT": out, "TF_MPI_MPI_TIMEOUT_SECONDS": str(WATCHDOG_S),
-                            "TF_MPI_PEER_TIMEOUT_SECONDS": str(PEER_S), **quiet}))
+                            "TF_MPI_PEER_TIMEOUT_SECONDS": str(PEER_S),
+                            "TF_MPI_RUN_EXIT_GRACE_SECONDS": str(EXIT_GRACE_S), **quiet}))
     log_path = os.path.join(out, "log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(c.command(cmd, host=hosts[0]), env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -96,8 +102,8 @@ def _job(c, scenario, hosts):
         else:
             c.set_link(run["victim"], False)
             run["survivors_after"] = _t(_wait(lambda: not any(process_alive(p) for p in survivors), LINK_LIMIT_S + 20), fault)
-            time.sleep(1)   # the job is over for the connected side; then the cable goes back in
-            run["launcher_waiting_at_relink"] = proc.poll() is None   # reported, not asserted
+            # The job is over for the connected side; the launch must end with the cable still out.
+            run["launch_after"] = _t(_wait(lambda: proc.poll() is not None, LAUNCH_LIMIT_S + 10), fault)
             relink = time.time()
             c.set_link(run["victim"], True)
             run["gone_after_relink"] = _t(_wait(everything_gone, RELINK_LIMIT_S + 20), relink)
@@ -193,11 +199,22 @@ def test_a_cut_link_during_negotiation_is_an_error_naming_the_lost_rank(runs):
 
 
 @pytest.mark.parametrize("scenario", ["link", "negotiation"])
+def test_a_cut_link_ends_the_launch_before_the_link_returns(runs, scenario):
+    run = runs[scenario]
+    assert run["started"], _describe(run)
+    print(f"{scenario}: launch ended {run['launch_after']} s after the cut, rc={run['rc']}")
+    assert run["launch_after"] is not None and run["launch_after"] < LAUNCH_LIMIT_S, _describe(run)
+    assert run["rc"] == 1, _describe(run)
+    if "mpirun was still waiting" not in run["output"]:
+        print(f"{scenario}: mpirun ended by itself")
+
+
+@pytest.mark.parametrize("scenario", ["link", "negotiation"])
 def test_after_the_link_returns_nothing_is_left(runs, scenario):
     run = runs[scenario]
     assert run["started"], _describe(run)
     print(f"{scenario}: every process on every host gone {run['gone_after_relink']} s after the link came back, "
-          f"rc={run['rc']}; mpirun still running while the link was down: {run['launcher_waiting_at_relink']}")
+          f"rc={run['rc']}")
     assert run["gone_after_relink"] is not None and run["gone_after_relink"] < RELINK_LIMIT_S, _describe(run)
     assert not any(run["left"].values()), _describe(run)
     assert run["rc"] != 0, _describe(run)

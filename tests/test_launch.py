@@ -7,6 +7,7 @@ through the installed ``tf_mpi.run`` as a user would start them.
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -78,6 +79,23 @@ def _listeners(extra_env):
     assert sorted(got) == [0, 1], output[-4000:]
     assert all(r["engine_sum_ok"] for r in got.values()), got
     return got
+
+
+def test_a_launcher_that_waits_after_reporting_a_failure_is_ended(capfd):
+    # A stand-in for Open MPI's launcher after a rank aborted: it reports the failure, then waits
+    # (for a host it cannot reach). tf_mpi.run ends it after the grace and exits 1, saying why.
+    stand_in = [sys.executable, "-c", "import sys, time; sys.stderr.write('MPI_ABORT was invoked on rank 1\\n'); "
+                                      "sys.stderr.flush(); time.sleep(120)"]
+    start = time.time()
+    rc = _launcher.run_reporting_lost_hosts(stand_in, dict(os.environ), grace_s=0.5)
+    took = time.time() - start
+    err = capfd.readouterr().err
+    assert rc == 1 and took < 10, (rc, took, err)
+    assert "mpirun was still waiting" in err, err
+    # One that ends by itself after the report keeps its own status, and no note is added.
+    quick = [sys.executable, "-c", "import sys; sys.stderr.write('MPI_ABORT was invoked on rank 1\\n'); sys.exit(3)"]
+    assert _launcher.run_reporting_lost_hosts(quick, dict(os.environ), grace_s=0.5) == 3
+    assert "still waiting" not in capfd.readouterr().err
 
 
 def test_single_host_job_listens_on_loopback_only():

@@ -30,8 +30,9 @@ What it adds to ``mpirun``:
 - for a multi-host job: nothing that changes the transports (TCP between hosts, shared memory
   within each), and every ``TF_MPI_*`` variable of the launching shell forwarded to the ranks on
   the other hosts (``-x``), which an ssh login would not pass on; and an exit status of 1 when
-  the job lost a host (Open MPI's launcher reports the loss, ends the job, and exits 0 itself:
-  :func:`run_reporting_lost_hosts`).
+  the job lost a host (Open MPI's launcher reports the loss, ends the job, and exits 0 itself),
+  and an end within :data:`EXIT_GRACE_S` seconds of a failure Open MPI reported, also when
+  ``mpirun`` would wait for a host it can no longer reach (:func:`run_reporting_lost_hosts`).
 
 A setting given on the command line (``--mca btl ...``) or already in the environment
 (``OMPI_MCA_btl``) wins over these defaults. Other launch settings are plain Open MPI ones, e.g.
@@ -338,17 +339,37 @@ def launch(np, options, program, env=None):
 # longer be reached), prints one of these, and still exits 0, as if the job had succeeded.
 LOST_HOST_MESSAGES = (b"lost communication with a remote daemon", b"A daemon failed to report back")
 
+JOB_ENDED_MESSAGES = LOST_HOST_MESSAGES + (
+    b"MPI_ABORT was invoked", b"prterun has exited due to",
+    b"prterun detected that one or more processes exited with non-zero status")
+"""What Open MPI's launcher prints once it ends a job that failed. It then waits for every
+host's daemon to confirm that its processes are gone; a host it can no longer reach (a cut link,
+a frozen host) never confirms, and ``mpirun`` would wait until it can reach it again."""
 
-def run_reporting_lost_hosts(argv, env):
+EXIT_GRACE_S = 10.0
+"""Seconds :func:`run_reporting_lost_hosts` lets ``mpirun`` take to end after it reported a failed
+job (TF_MPI_RUN_EXIT_GRACE_SECONDS); Open MPI's own clean-up takes about a second."""
+
+
+def run_reporting_lost_hosts(argv, env, grace_s=None):
     """Runs ``argv`` (an mpirun command), passing its output through unchanged; returns its exit
     status, or 1 where the launcher reported a lost host and exited 0 all the same.
+
+    Once ``mpirun`` has reported the job failed (:data:`JOB_ENDED_MESSAGES`) and still runs
+    ``grace_s`` seconds later (default :data:`EXIT_GRACE_S`, or TF_MPI_RUN_EXIT_GRACE_SECONDS), it
+    is waiting for a host it cannot reach: it is killed and the status is 1. The processes on
+    that host end by themselves: the ranks through tf_mpi's watchdog and liveness check, Open
+    MPI's daemon as soon as it can reach this host again and finds ``mpirun`` gone.
 
     Example::
 
         rc = run_reporting_lost_hosts(*launch(4, ["--host", "h1:2,h2:2"], ["python", "train.py"]))
     """
+    grace_s = float((env or os.environ).get("TF_MPI_RUN_EXIT_GRACE_SECONDS", EXIT_GRACE_S)
+                    if grace_s is None else grace_s)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lost = threading.Event()
+    ended_at = []   # when mpirun first reported the job failed
 
     def pass_on(source, sink):
         tail = b""   # a message may straddle two reads
@@ -358,18 +379,38 @@ def run_reporting_lost_hosts(argv, env):
             window = tail + chunk
             if any(m in window for m in LOST_HOST_MESSAGES):
                 lost.set()
+            if not ended_at and any(m in window for m in JOB_ENDED_MESSAGES):
+                ended_at.append(time.time())
             tail = window[-256:]
 
     pumps = [threading.Thread(target=pass_on, args=(proc.stdout, sys.stdout.buffer), daemon=True),
              threading.Thread(target=pass_on, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
     for t in pumps:
         t.start()
+    stuck = False
     try:
-        rc = proc.wait()
+        while True:
+            try:
+                rc = proc.wait(0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if ended_at and time.time() - ended_at[0] > grace_s:
+                # SIGTERM is not enough: mpirun handles it by starting the same wait again.
+                stuck = True
+                proc.kill()
     except KeyboardInterrupt:   # mpirun got the same SIGINT (one process group): let it end the job
         rc = proc.wait()
     for t in pumps:
-        t.join()
+        # mpirun's ssh (or its stand-in) to the unreachable host holds the pipes open after mpirun
+        # is killed; nothing more can come through it.
+        t.join(1 if stuck else 5)
+    if stuck:
+        sys.stderr.write(f"tf_mpi.run: the job failed (see Open MPI's message above) and mpirun was still "
+                         f"waiting {grace_s:.0f} s later for a host it cannot reach (a cut link or a frozen "
+                         f"host); ended it. That host's processes end when it can reach this one again; "
+                         f"exit status 1\n")
+        return 1
     if rc == 0 and lost.is_set():
         sys.stderr.write("tf_mpi.run: mpirun lost a host during the job (see its message above) and exited 0; "
                          "exiting with 1\n")

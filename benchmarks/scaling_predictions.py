@@ -40,7 +40,7 @@ BACKPROP_SHARE = 2 / 3
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nics-per-node", type=int, default=1)
-    parser.add_argument("--chunk-bytes", type=int, default=predict.DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="default: the engine's for the layout")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
     record = harness.Record("scaling_predictions", path=args.json)

@@ -55,7 +55,8 @@ def test_non_elastic_command_lines_are_unchanged():
     assert {k: v for k, v in env.items() if k.startswith(("OMPI_MCA", "TF_MPI"))} == {"OMPI_MCA_btl": "self,sm"}
     argv, env = _launcher.launch(*_launcher.split_args(["-np", "4", "--host", "h1:2,h2:2", "python", "x.py"]),
                                  env={"TF_MPI_X": "1"})
-    assert argv == [_launcher.find_mpirun(), "-np", "4", "--host", "h1:2,h2:2", "-x", "TF_MPI_X", sys.executable, "x.py"]
+    assert argv == [_launcher.find_mpirun(), "-np", "4", "--host", "h1:2,h2:2", "--mca", "btl_tcp_links", "2",
+                    "-x", "TF_MPI_X", sys.executable, "x.py"]
     assert not any(k.startswith("OMPI_MCA") for k in env)
 
 

@@ -68,6 +68,11 @@ def test_launch_settings_per_kind_of_job():
     argv, env = _launcher.launch(4, ["--host", "h1:2,h2:2"], ["x"], env={"TF_MPI_HIERARCHICAL": "1"})
     assert "OMPI_MCA_btl" not in env and "--oversubscribe" not in argv
     assert argv[argv.index("-x") + 1] == "TF_MPI_HIERARCHICAL"
+    assert argv[argv.index("btl_tcp_links") - 1:argv.index("btl_tcp_links") + 2] == ["--mca", "btl_tcp_links", "2"]
+    argv, _ = _launcher.launch(4, ["--host", "h1:2,h2:2", "--mca", "btl_tcp_links", "4"], ["x"], env={})
+    assert argv.count("btl_tcp_links") == 1 and argv[argv.index("btl_tcp_links") + 1] == "4"   # the user's wins
+    argv, _ = _launcher.launch(4, ["--host", "h1:2,h2:2"], ["x"], env={"OMPI_MCA_btl_tcp_links": "1"})
+    assert "btl_tcp_links" not in argv
 
 
 # -- single host: off the network ----------------------------------------------

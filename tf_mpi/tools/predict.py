@@ -37,7 +37,7 @@ The model (docs/scaling.md says the same, with the numbers of the presets):
   ``max(1, G / nics_per_node)``), allgather inside the node. With G = 1 it is the flat
   allreduce across nodes; with N = 1 the flat one inside the node.
 * **tf_mpi's engine**: every MPI call moves at most ``chunk_bytes`` (TF_MPI_CHUNK_BYTES,
-  default 1 MiB); a larger message is that many allreduces in a row, each paying its
+  default 1 MiB on one node, 16 MiB across nodes); a larger message is that many allreduces in a row, each paying its
   latency. Within one grouped allreduce, tensors of at least ``direct_bytes``
   (TF_MPI_FUSION_DIRECT_BYTES) are reduced from their own buffers, the rest fused into
   one buffer.
@@ -75,7 +75,8 @@ from tf_mpi.policy import grouping
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # The engine's defaults (cpp/core/common/env.cc; docs/configuration.md).
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20            # all ranks on one host
+NETWORK_CHUNK_BYTES = 16 << 20           # ranks on several hosts (cpp/core/common/tunables.h)
 DEFAULT_DIRECT_BYTES = 256 << 10
 # The probe message sizes of tf_mpi.grouping.measure_cost_model.
 PROBE_SMALL_BYTES, PROBE_LARGE_BYTES = 4 << 10, 4 << 20
@@ -222,10 +223,12 @@ class Cluster:
     inter: Link
     nics_per_node: int = 1
     cores_per_node: int = 0
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = None   # None: the engine's default for this many nodes
     direct_bytes: int = DEFAULT_DIRECT_BYTES
 
     def __post_init__(self):
+        if self.chunk_bytes is None:
+            object.__setattr__(self, "chunk_bytes", DEFAULT_CHUNK_BYTES if self.nodes == 1 else NETWORK_CHUNK_BYTES)
         if self.nodes < 1 or self.ranks_per_node < 1 or self.nics_per_node < 1 or self.cores_per_node < 0:
             raise ValueError(f"a cluster needs nodes, ranks_per_node, nics_per_node >= 1 and cores_per_node >= 0: "
                              f"{self}")
@@ -643,8 +646,10 @@ def _parse_args(argv):
                    help="share of communication during backprop that hides (default 1, or the probe's with --measure)")
     p.add_argument("--grouping", choices=["plan", "one"], default="plan",
                    help="the grouping plan tf_mpi would choose, or all gradients in one group")
-    p.add_argument("--chunk-bytes", type=int, default=int(os.environ.get("TF_MPI_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)),
-                   help="largest MPI call of the engine (TF_MPI_CHUNK_BYTES; 0: no limit)")
+    chunk = os.environ.get("TF_MPI_CHUNK_BYTES")
+    p.add_argument("--chunk-bytes", type=int, default=int(chunk) if chunk else None,
+                   help="largest MPI call of the engine (TF_MPI_CHUNK_BYTES; 0: no limit; default: the engine's, "
+                        f"{DEFAULT_CHUNK_BYTES} B on one node, {NETWORK_CHUNK_BYTES} B on several)")
     p.add_argument("--plot", default=None, help="write efficiency against ranks to this PNG")
     p.add_argument("--json", default=None, help="write the predictions to this JSON file")
     args = p.parse_args(argv)
@@ -686,7 +691,8 @@ def main(argv=None):
         if basics.cross_size() > 1:  # the probe's allreduces crossed nodes: they say nothing of the intra link
             inter = engine_links()[1]
         else:
-            intra = link_from_probe(cost_model, basics.size(), args.chunk_bytes)
+            intra = link_from_probe(cost_model, basics.size(),
+                                    DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes)
         overlap = cost_model.overlap if overlap is None else overlap
         printing = basics.rank() == 0
     overlap = 1.0 if overlap is None else overlap
@@ -702,7 +708,8 @@ def main(argv=None):
     print(f"intra-node: {intra}")
     print(f"inter-node: {inter}, {args.nics_per_node} NIC(s) per node"
           + (f"; TF_MPI_INTER_NODE_LINK={inter_node_link_setting(inter)}" if inter is not args.inter_link else ""))
-    print(f"engine    : chunks of {args.chunk_bytes} B, grouping {args.grouping}"
+    chunks = "the engine's default" if args.chunk_bytes is None else f"{args.chunk_bytes} B"
+    print(f"engine    : chunks of {chunks}, grouping {args.grouping}"
           + (f", {args.cores_per_node} cores per node" if args.cores_per_node else ""))
     print(format_table(rows))
     if args.plot:

@@ -45,6 +45,7 @@ EngineConfig EngineConfig::FromEnv() {
   c.tunables.fusion_threshold = std::max<int64_t>(0, EnvInt("TF_MPI_FUSION_THRESHOLD", defaults.fusion_threshold));
   c.tunables.direct_bytes = std::max<int64_t>(0, EnvInt("TF_MPI_FUSION_DIRECT_BYTES", defaults.direct_bytes));
   c.tunables.chunk_bytes = EnvInt("TF_MPI_CHUNK_BYTES", defaults.chunk_bytes);
+  c.chunk_bytes_set = c.tunables.chunk_bytes > 0 && std::getenv("TF_MPI_CHUNK_BYTES") && *std::getenv("TF_MPI_CHUNK_BYTES");
   if (c.tunables.chunk_bytes <= 0) c.tunables.chunk_bytes = defaults.chunk_bytes;
   const char* tune = std::getenv("TF_MPI_AUTOTUNE");
   const std::string scope = tune ? tune : "";

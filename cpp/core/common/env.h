@@ -17,6 +17,7 @@ int64_t EnvInt(const char* name, int64_t fallback);
 double EnvDouble(const char* name, double fallback);
 
 struct EngineConfig {
+  bool chunk_bytes_set;            // TF_MPI_CHUNK_BYTES given (else its default depends on the hosts)
   Tunables tunables;               // the starting values (see tunables.h)
   AutotuneScope autotune;          // TF_MPI_AUTOTUNE: what rank 0 tunes during the first steps
   int64_t autotune_steps;          // TF_MPI_AUTOTUNE_STEPS: timed steps per candidate

@@ -10,10 +10,17 @@
 
 namespace tfmpi {
 
+// TF_MPI_CHUNK_BYTES's default when the ranks span several hosts. A call's
+// fixed cost across a network (the ranks synchronise, the link idles while the
+// next call starts) outweighs the cache effects that make 1 MiB pieces win
+// over shared memory: a 16 MiB allreduce between two hosts over 1 Gbit/s took
+// 0.43 s in 1 MiB calls and 0.17-0.24 s in one (benchmarks/cluster_link_bench.py).
+constexpr int64_t kNetworkChunkBytes = 16ll << 20;
+
 struct Tunables {
   int64_t fusion_threshold = 64ll << 20;  // TF_MPI_FUSION_THRESHOLD: largest fused buffer; 0 disables fusion
   int64_t direct_bytes = 256ll << 10;     // TF_MPI_FUSION_DIRECT_BYTES: tensors this big skip the buffer; 0: never
-  int64_t chunk_bytes = 1ll << 20;        // TF_MPI_CHUNK_BYTES: largest single MPI call
+  int64_t chunk_bytes = 1ll << 20;        // TF_MPI_CHUNK_BYTES: largest single MPI call (one host)
 
   bool operator==(const Tunables& o) const {
     return fusion_threshold == o.fusion_threshold && direct_bytes == o.direct_bytes && chunk_bytes == o.chunk_bytes;

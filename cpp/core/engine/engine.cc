@@ -158,6 +158,10 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
     mpi_.Release();
     return s;
   }
+  if (!config_.chunk_bytes_set && mpi_.spans_hosts()) {
+    config_.tunables.chunk_bytes = kNetworkChunkBytes;  // the same on every rank: spans_hosts() is agreed
+    tunables_ = config_.tunables;
+  }
   ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
   hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
   if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {

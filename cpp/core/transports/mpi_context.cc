@@ -185,12 +185,18 @@ Status MpiContext::SplitTopology() {
     return Status::Invalid("tf_mpi: TF_MPI_TOPOLOGY is invalid on another rank or differs between ranks (this rank "
                            "has '" + spec + "'); set the same valid value on every rank (mpirun -x TF_MPI_TOPOLOGY)");
 
+  MPI_Comm host_comm;  // the ranks that share memory with this one
+  MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &host_comm);
+  int host_size = 1;
+  MPI_Comm_size(host_comm, &host_size);
+  spans_hosts_ = host_size < size_;  // on one host every rank's host_comm is the whole job
   if (set) {
     // Pretend nodes: consecutive blocks of per_node ranks.
+    MPI_Comm_free(&host_comm);
     MPI_Comm_split(comm_, static_cast<int>(rank_ / per_node), rank_, &node_comm_);
     topology_source_ = "TF_MPI_TOPOLOGY=" + spec;
   } else {
-    MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_comm_);
+    node_comm_ = host_comm;
     topology_source_ = "shared memory";
   }
   MPI_Comm_rank(node_comm_, &local_rank_);

@@ -55,6 +55,9 @@ class MpiContext {
   MPI_Comm cross_comm() const { return cross_comm_; }
   // Every node has the same number of ranks (agreed by all ranks at init).
   bool homogeneous() const { return homogeneous_; }
+  // The ranks run on more than one host, as shared memory tells (whatever
+  // TF_MPI_TOPOLOGY pretends); the same on every rank.
+  bool spans_hosts() const { return spans_hosts_; }
   // Where the topology came from: "TF_MPI_TOPOLOGY=2x2" or "shared memory".
   const std::string& topology_source() const { return topology_source_; }
 
@@ -70,6 +73,7 @@ class MpiContext {
   MPI_Comm liveness_comm_ = MPI_COMM_NULL;
   MPI_Comm node_comm_ = MPI_COMM_NULL, cross_comm_ = MPI_COMM_NULL;
   bool homogeneous_ = true;
+  bool spans_hosts_ = false;
   std::string topology_source_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
   MPI_Datatype half_type_ = MPI_DATATYPE_NULL;

@@ -10,10 +10,11 @@ Per link rate, each round launches (through ``python -m tf_mpi.run --host ...``)
   stream, TCP_NODELAY) between the hosts, then MPI's 4 KiB Send/Recv round trip;
 - 2 ranks per host (``--map-by node``, the idle ranks in a barrier): TCP and MPI round trips
   again (tests/workers/launch_worker.py ``pingpong``, the program tests/test_launch.py uses);
-- 2 ranks per host: a 16 MiB float32 Sum allreduce through tf_mpi's engine
+- 1 rank per host, then 2 ranks per host: a 16 MiB float32 Sum allreduce through tf_mpi's engine
   (``tf_mpi._core.allreduce``, no TensorFlow), flat and with ``TF_MPI_HIERARCHICAL=1``, in
   one launch (engine re-initialised between the two, their order alternating per round),
-  5 timed calls each after a checked warm-up; a call's time is the slowest rank's. The same
+  5 timed calls each after a checked warm-up; a call's time is the slowest rank's (at 1 rank per
+  host flat only: the hierarchical path is the same there). The same
   launch again with the settings a multi-host job had before tf_mpi tuned them for networks
   (``--mca btl_tcp_links 1``, ``TF_MPI_CHUNK_BYTES=1048576``: :data:`BEFORE`), the two
   launches' order alternating per round: the ``*_before`` figures.
@@ -26,7 +27,7 @@ Link model for the allreduce bound: S = 16 MiB per rank, B = the measured one-wa
 bandwidth. Flat over 4 ranks, 2 per host, a ring's two cross-host edges each carry
 2(n-1)/n * S = 1.5 S per direction (reduce-scatter + allgather), so bound = 1.5 S / B.
 Hierarchical: only the 2 host leaders cross the link, a 2-rank allreduce: 2(h-1)/h * S = S per
-direction, bound = S / B. Target: time <= 1.5 x bound.
+direction, bound = S / B; the same for 1 rank per host. Target: time <= 1.5 x bound.
 """
 import argparse
 import json
@@ -77,15 +78,15 @@ def worker_tcp_bandwidth():
     comm.Barrier()
 
 
-def worker_allreduce(round_index, calls=5):
-    """Flat and hierarchical 16 MiB allreduces through tf_mpi's engine (order alternates by round)."""
+def worker_allreduce(round_index, calls=5, modes=("0", "1")):
+    """16 MiB allreduces through tf_mpi's engine, flat ("0") and hierarchical ("1") (order alternates by round)."""
     from tf_mpi import basics
     from tf_mpi.basics import _core
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     n_elems = ALLREDUCE_BYTES // 4
     times = {}
-    for mode in (("0", "1") if round_index % 2 == 0 else ("1", "0")):
+    for mode in (modes if round_index % 2 == 0 else modes[::-1]):
         os.environ["TF_MPI_HIERARCHICAL"] = mode
         basics.init()
         rank, size = _core.rank(), _core.size()
@@ -131,9 +132,12 @@ def one_round(cluster, index):
     two = launch(cluster, 2, [PINGPONG, "pingpong"])
     r["tcp_rtt_us_2x2"], r["mpi_rtt_us_2x2"] = two["tcp_us"], two["mpi_us"]
     for before in ((False, True) if index % 2 == 0 else (True, False)):
-        ar = launch(cluster, 2, [me, "--worker", "allreduce", "--round", str(index)], **(BEFORE if before else {}))
         suffix = "_before" if before else ""
+        settings = BEFORE if before else {}
+        ar = launch(cluster, 2, [me, "--worker", "allreduce", "--round", str(index)], **settings)
         r["allreduce_s_flat" + suffix], r["allreduce_s_hierarchical" + suffix] = ar["flat"], ar["hierarchical"]
+        ar = launch(cluster, 1, [me, "--worker", "allreduce_flat", "--round", str(index)], **settings)
+        r["allreduce_s_2x1" + suffix] = ar["flat"]
     return r
 
 
@@ -143,12 +147,15 @@ def summarize(rounds):
     med = {k: s["median"] for k, s in stats.items()}
     spread = {k: [s["min"], s["max"]] for k, s in stats.items()}
     bw = med["tcp_bytes_per_s"]
-    bounds = {"flat": 1.5 * ALLREDUCE_BYTES / bw, "hierarchical": 1.0 * ALLREDUCE_BYTES / bw}
+    bounds = {"flat": 1.5 * ALLREDUCE_BYTES / bw, "hierarchical": 1.0 * ALLREDUCE_BYTES / bw,
+              "2x1": 1.0 * ALLREDUCE_BYTES / bw}
     ratios = {
         "mpi_over_tcp_rtt_1x1": med["mpi_rtt_us_1x1"] / med["tcp_rtt_us_1x1"],
         "mpi_over_tcp_rtt_2x2": med["mpi_rtt_us_2x2"] / med["tcp_rtt_us_2x2"],
         "allreduce_over_bound_flat": med["allreduce_s_flat"] / bounds["flat"],
         "allreduce_over_bound_hierarchical": med["allreduce_s_hierarchical"] / bounds["hierarchical"],
+        "allreduce_over_bound_2x1": med["allreduce_s_2x1"] / bounds["2x1"],
+        "allreduce_over_bound_2x1_before": med["allreduce_s_2x1_before"] / bounds["2x1"],
         "allreduce_over_bound_flat_before": med["allreduce_s_flat_before"] / bounds["flat"],
         "allreduce_over_bound_hierarchical_before": med["allreduce_s_hierarchical_before"] / bounds["hierarchical"],
     }
@@ -165,13 +172,15 @@ def main():
     p.add_argument("--prefix", default="lan")
     p.add_argument("--net", type=int, default=3)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--worker", choices=["tcp_bandwidth", "allreduce"])
+    p.add_argument("--worker", choices=["tcp_bandwidth", "allreduce", "allreduce_flat"])
     p.add_argument("--round", type=int, default=0)
     a = p.parse_args()
     if a.worker == "tcp_bandwidth":
         return worker_tcp_bandwidth()
     if a.worker == "allreduce":
         return worker_allreduce(a.round)
+    if a.worker == "allreduce_flat":
+        return worker_allreduce(a.round, modes=("0",))
     from cluster import Cluster
     for rate in a.rates.split(","):
         limit = None if rate == "unlimited" else rate
@@ -188,6 +197,9 @@ def main():
         print(f"   MPI 4 KiB RTT 1/host {m['mpi_rtt_us_1x1']:.1f} us ({q['mpi_over_tcp_rtt_1x1']:.2f}x TCP, target 3x); "
               f"2/host {m['mpi_rtt_us_2x2']:.1f} us ({q['mpi_over_tcp_rtt_2x2']:.2f}x TCP {m['tcp_rtt_us_2x2']:.1f} us, "
               f"target 10x)")
+        print(f"   16 MiB allreduce 2x1: {m['allreduce_s_2x1']:.3f} s, link bound {s['link_bound_s']['2x1']:.3f} s "
+              f"({q['allreduce_over_bound_2x1']:.2f}x); with the settings before: {m['allreduce_s_2x1_before']:.3f} s "
+              f"({q['allreduce_over_bound_2x1_before']:.2f}x)")
         for mode in ("flat", "hierarchical"):
             print(f"   16 MiB allreduce 2x2 {mode}: {m['allreduce_s_' + mode]:.3f} s, link bound "
                   f"{s['link_bound_s'][mode]:.3f} s ({q['allreduce_over_bound_' + mode]:.2f}x, target 1.5x); "

@@ -3,7 +3,7 @@ the inter-node link, and the decision it feeds.
 
 One launch of 2 hosts x 2 ranks (prefix "cal", addresses 10.231.9.0/24) of
 tests/workers/hierarchical_auto_worker.py: init() without TF_MPI_INTER_NODE_LINK measures the
-link (rank 0 logs the figures once), every rank ends with the same figures and the same size
+link and the alpha inside a node (rank 0 logs the figures once), every rank ends with the same figures and the same size
 window, allreduces of 1 KiB-4 MiB go hierarchical exactly where the window says, on every rank,
 with right sums; with TF_MPI_INTER_NODE_LINK set there is no probe and the figures are the user's.
 Plus the probe's arithmetic (tf_mpi._core.link_from_ping_pong) without MPI.
@@ -71,6 +71,14 @@ def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
     assert 0.5e-6 < alpha < 5e-3 and 1e6 < 1 / beta < 100e9, (alpha, 1 / beta)
     assert alpha * 1e6 == pytest.approx(alpha_us, abs=0.06) and 1e-9 / beta == pytest.approx(gb_per_s, rel=0.01)
     assert all("measured at start-up" in h["summary"] and h["usable"] for h in probe), probe[0]["summary"]
+    # Inside a node the probe measured the alpha (local ranks 0 and 1), the same on every rank and logged.
+    intra = {(h["intra_alpha_s"], h["intra_beta_s"]) for h in probe}
+    assert len(intra) == 1, f"ranks got different intra-node links: {intra}"
+    intra_alpha, intra_beta = intra.pop()
+    assert 0.05e-6 < intra_alpha < 50e-3 and intra_beta == pytest.approx(1 / 10e9), (intra_alpha, intra_beta)
+    print(f"probe: inter {alpha * 1e6:.1f} us, {1e-9 / beta:.3g} GB/s; intra {intra_alpha * 1e6:.1f} us")
+    inside = re.findall(r"inside a node ([0-9.]+) us per message", output)
+    assert len(inside) == 1 and float(inside[0]) == pytest.approx(intra_alpha * 1e6, abs=0.06), output[-3000:]
 
     for phase in ("probe", "given"):
         windows = {(ranks[i][phase]["hierarchical"]["min_bytes"], ranks[i][phase]["hierarchical"]["max_bytes"])

@@ -88,7 +88,7 @@ HierarchicalSettings HierarchicalSettings::FromEnv() {
 std::string HierarchicalSettings::ToString() const {
   return std::string("hierarchical=") + HierarchicalModeName(mode) +
          " hierarchical_threshold=" + std::to_string(threshold_bytes) + " intra_node_link=" +
-         LinkString(intra, intra_given) + " inter_node_link=" + LinkString(inter, inter_given, inter_probed);
+         LinkString(intra, intra_given, intra_probed) + " inter_node_link=" + LinkString(inter, inter_given, inter_probed);
 }
 
 double FlatAllreduceSeconds(double m, int n, int L, const Link& intra, const Link& inter) {

@@ -51,6 +51,7 @@ struct HierarchicalSettings {
   Link inter = kDefaultInterNodeLink;  // TF_MPI_INTER_NODE_LINK=ALPHA_US,GB_PER_S
   bool intra_given = false, inter_given = false;
   bool inter_probed = false;  // inter from the start-up probe (link_probe.h), not the default
+  bool intra_probed = false;  // intra's alpha from the start-up probe (its beta stays the default)
   // Whether the model's window decides (auto, no threshold): then the inter-node link matters.
   bool UsesModel() const { return mode == HierarchicalMode::kAuto && threshold_bytes < 0; }
   // Reads the variables above; throws std::invalid_argument naming a bad one.

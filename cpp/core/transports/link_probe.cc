@@ -20,18 +20,18 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Median one-way time of `trips` round trips of `bytes` between cross ranks 0 and 1 (one warm-up trip).
-double PingPong(MPI_Comm cross, int cross_rank, std::vector<char>& buf, int64_t bytes, int trips) {
+// Median one-way time of `trips` round trips of `bytes` between ranks 0 and 1 of `comm` (one warm-up trip).
+double PingPong(MPI_Comm comm, int rank, std::vector<char>& buf, int64_t bytes, int trips) {
   std::vector<double> t;
-  const int peer = 1 - cross_rank;
+  const int peer = 1 - rank;
   for (int i = 0; i <= trips; ++i) {
     const double t0 = MPI_Wtime();
-    if (cross_rank == 0) {
-      MPI_Send(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, cross);
-      MPI_Recv(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, cross, MPI_STATUS_IGNORE);
+    if (rank == 0) {
+      MPI_Send(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, comm);
+      MPI_Recv(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, comm, MPI_STATUS_IGNORE);
     } else {
-      MPI_Recv(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, cross, MPI_STATUS_IGNORE);
-      MPI_Send(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, cross);
+      MPI_Recv(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, comm, MPI_STATUS_IGNORE);
+      MPI_Send(buf.data(), static_cast<int>(bytes), MPI_BYTE, peer, 0, comm);
     }
     if (i > 0) t.push_back((MPI_Wtime() - t0) / 2);
   }
@@ -68,7 +68,12 @@ LinkProbe ProbeInterNodeLink(const MpiContext& mpi) {
   LinkProbe p;
   p.large_bytes = kLargeBytes;
   const auto start = std::chrono::steady_clock::now();
-  double figures[2] = {0, 0};  // one-way seconds: small, large
+  double figures[3] = {0, 0, 0};  // one-way seconds: small, large across nodes; small inside a node
+  MPI_Barrier(mpi.comm());
+  if (mpi.local_size() > 1 && mpi.local_rank() < 2) {  // every node at once, as the in-node phases run
+    std::vector<char> small(kSmallBytes);
+    figures[2] = PingPong(mpi.node_comm(), mpi.local_rank(), small, kSmallBytes, kSmallTrips);
+  }
   MPI_Barrier(mpi.comm());
   if (mpi.cross_rank() < 2) {  // the first two nodes; the others wait in the broadcast
     std::vector<char> out(kLargeBytes, 1), in(kLargeBytes);
@@ -76,8 +81,9 @@ LinkProbe ProbeInterNodeLink(const MpiContext& mpi) {
     MPI_Barrier(mpi.node_comm());  // the node's ranks send their large messages together
     figures[1] = Exchange(mpi.cross_comm(), mpi.cross_rank(), out, in, kLargeBytes, kLargeTrips);
   }
-  MPI_Bcast(figures, 2, MPI_DOUBLE, 0, mpi.comm());
+  MPI_Bcast(figures, 3, MPI_DOUBLE, 0, mpi.comm());
   p.inter = LinkFromPingPong(figures[0], kSmallBytes, figures[1], kLargeBytes, mpi.local_size());
+  p.intra_alpha_s = figures[2];
   p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return p;
 }
@@ -100,15 +106,25 @@ void ApplyInterNodeProbe(HierarchicalSettings* s, const MpiContext& mpi) {
   if (!need) return;
   s->inter = p.inter;
   s->inter_probed = true;
+  if (!s->intra_given && p.intra_alpha_s > 0) {
+    s->intra.alpha_s = p.intra_alpha_s;
+    s->intra_probed = true;
+  }
   if (mpi.rank() == 0) {
-    char line[256];
+    char line[384];
     std::snprintf(line, sizeof(line),
                   "inter-node link measured at start-up: %.1f us per message, %.3g GB/s per node (%d rank(s) x "
                   "%lld KiB at once), in %.0f ms; TF_MPI_INTER_NODE_LINK=%.1f,%.3g sets it instead",
                   p.inter.alpha_s * 1e6, 1e-9 / p.inter.beta_s, mpi.local_size(),
                   static_cast<long long>(p.large_bytes >> 10), p.seconds * 1e3, p.inter.alpha_s * 1e6,
                   1e-9 / p.inter.beta_s);
-    LogInfo(line);
+    std::string text = line;
+    if (s->intra_probed) {
+      std::snprintf(line, sizeof(line), "; inside a node %.1f us per message (TF_MPI_INTRA_NODE_LINK sets it)",
+                    s->intra.alpha_s * 1e6);
+      text += line;
+    }
+    LogInfo(text);
   }
 }
 

@@ -1,6 +1,12 @@
 // The start-up probe of the inter-node link, for TF_MPI_HIERARCHICAL=auto's
 // model (hierarchical_model.h) when TF_MPI_INTER_NODE_LINK is not set.
 //
+// Inside a node, local ranks 0 and 1 first ping-pong a small message: the
+// intra-node alpha (unless TF_MPI_INTRA_NODE_LINK is set). The hierarchical
+// path pays it twice more than the flat one (its in-node phases before and
+// after the cross-node one), so it decides the small sizes: about 1 us where
+// each rank has a core, a scheduler's time slice where ranks share cores.
+//
 // Between the first two nodes, every local rank l ping-pongs with local rank l
 // of the other node over its cross-node communicator, all at once: a small
 // message's ping-pong gives alpha (half the round trip); a large one,
@@ -23,6 +29,7 @@ namespace tfmpi {
 
 struct LinkProbe {
   Link inter;              // what the model uses
+  double intra_alpha_s = 0;  // one-way small-message time between local ranks 0 and 1; 0 with one rank per node
   double seconds = 0;      // the probe's own wall time on rank 0
   int64_t large_bytes = 0; // the large message, per rank
 };

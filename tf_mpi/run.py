@@ -28,8 +28,9 @@ What it adds to ``mpirun``:
   asked for, and the job kept off the network: Open MPI's byte transports limited to shared
   memory (``OMPI_MCA_btl=self,sm``), so no rank opens a TCP listener on the machine's addresses;
 - for a multi-host job: the transports unchanged (TCP between hosts, shared memory within
-  each) but two TCP connections per pair of ranks (:data:`MULTI_HOST_MCA`), and every ``TF_MPI_*`` variable of the launching shell forwarded to the ranks on
-  the other hosts (``-x``), which an ssh login would not pass on; and an exit status of 1 when
+  each) but two TCP connections per pair of ranks (:data:`MULTI_HOST_MCA`); every ``TF_MPI_*``
+  variable of the launching shell forwarded to the ranks on the other hosts (``-x``), which an
+  ssh login would not pass on; and an exit status of 1 when
   the job lost a host (Open MPI's launcher reports the loss, ends the job, and exits 0 itself),
   and an end within :data:`EXIT_GRACE_S` seconds of a failure Open MPI reported, also when
   ``mpirun`` would wait for a host it can no longer reach (:func:`run_reporting_lost_hosts`).

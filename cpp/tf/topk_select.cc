@@ -139,6 +139,21 @@ inline typename MagnitudeKey<T>::U KeyOf(T v) {
 template <typename T>
 inline bool IsFinite(T v) { return Eigen::numext::isfinite(v); }
 
+// Appends to cand the i in [begin, end) with KeyOf(x[i]) >= threshold, ascending:
+// branch-free (every index is written, the count advances only for a hit).
+template <typename T>
+inline void Collect(const T* x, int64_t begin, int64_t end, typename MagnitudeKey<T>::U threshold,
+                    std::vector<int32_t>* cand) {
+  size_t count = cand->size();
+  cand->resize(count + static_cast<size_t>(end - begin));
+  int32_t* out = cand->data();
+  for (int64_t i = begin; i < end; ++i) {
+    out[count] = static_cast<int32_t>(i);
+    count += KeyOf(x[i]) >= threshold;
+  }
+  cand->resize(count);
+}
+
 // Finds the k largest-magnitude entries of x[0, n) (k <= n) and appends their
 // indices, ascending, to `out`. `fill(begin, end, threshold, cand)` must make
 // x[begin, end) readable (the fused kernel computes it there) and append to
@@ -184,8 +199,7 @@ void SelectLargest(const T* x, int64_t n, int64_t k, Fill fill, std::vector<int3
       std::nth_element(sample.begin(), sample.begin() + (sample_rank - 1), sample.end(), std::greater<U>());
       threshold = sample[sample_rank - 1];
     }
-    for (int64_t i = 0; i < n; ++i)
-      if (KeyOf(x[i]) >= threshold) cand.push_back(static_cast<int32_t>(i));
+    Collect(x, 0, n, threshold, &cand);
   }
   const int64_t c = static_cast<int64_t>(cand.size());
   if (c == k) {
@@ -215,8 +229,7 @@ struct ReadFill {
   T Peek(int64_t i) const { return x[i]; }
   using U = typename MagnitudeKey<T>::U;
   void operator()(int64_t begin, int64_t end, U threshold, std::vector<int32_t>* cand) const {
-    for (int64_t i = begin; i < end; ++i)
-      if (KeyOf(x[i]) >= threshold) cand->push_back(static_cast<int32_t>(i));
+    Collect(x, begin, end, threshold, cand);
   }
 };
 
@@ -230,8 +243,7 @@ struct AccumulateFill {
   using U = typename MagnitudeKey<T>::U;
   void operator()(int64_t begin, int64_t end, U threshold, std::vector<int32_t>* cand) const {
     for (int64_t i = begin; i < end; ++i) acc[i] = static_cast<T>(g[i] + r[i]);
-    for (int64_t i = begin; i < end; ++i)
-      if (KeyOf(acc[i]) >= threshold) cand->push_back(static_cast<int32_t>(i));
+    Collect(acc, begin, end, threshold, cand);
   }
 };
 
@@ -301,8 +313,8 @@ class TopkAccumulateOp : public OpKernel {
                                         r.shape().DebugString(), " differ in shape"));
     const int64_t n = g.NumElements();
     OP_REQUIRES_OK(ctx, CheckSize(n));
-    Tensor* acc = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &acc));
+    Tensor* acc = nullptr;  // in the gradient's buffer when nothing else holds it
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, TensorShape({n}), &acc));
     AccumulateFill<T> fill{g.flat<T>().data(), r.flat<T>().data(), acc->flat<T>().data()};
     const int64_t k = std::min(k_, n);
     std::vector<int32_t> winners;

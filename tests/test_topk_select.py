@@ -35,12 +35,17 @@ def cases():
     big = rng.standard_normal(300_000).astype(np.float32)  # past the size where the threshold is sampled
     big_ties = (rng.integers(-2, 3, 200_000) * 0.5).astype(np.float32)  # sampled threshold, heavy ties
     constant = np.full(100_000, -1.5, np.float32)  # every entry ties: the first k
+    sparse = np.zeros(200_000, np.float32)  # a densified embedding gradient: mostly zeros, some -0
+    sparse[rng.choice(200_000, 2000, replace=False)] = rng.standard_normal(2000).astype(np.float32)
+    sparse[1::97] *= -1.0
     return [
         ("ties", ties, [1, 7, 250, 4999, 5000, 6000]),
         ("nan_inf_zero", special, [1, 2, 3, 5, 6, 100, 3000]),
         ("gaussian_300k", big, [1, 3000, 75_000, 200_000]),
         ("ties_200k", big_ties, [1, 2000, 50_000]),
         ("constant", constant, [1, 1000]),
+        ("mostly_zeros", sparse, [1, 1999, 2000, 2001, 10_000, 150_000]),
+        ("all_zeros", np.zeros(50_000, np.float32), [1, 7, 12_000]),
         ("single", np.array([-2.0], np.float32), [1, 3]),
     ]
 

@@ -16,7 +16,8 @@
 // at or above it, nth_element on the candidates finds the exact k-th, and a
 // pass over the candidates (in index order) keeps the winners. If the
 // threshold let fewer than k entries through, the pass is repeated with a
-// lower one, and at worst with every entry a candidate.
+// lower one, and at worst with every nonzero entry a candidate; when even
+// those are fewer than k, the lowest-index zeros make up the rest.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -165,9 +166,13 @@ void SelectLargest(const T* x, int64_t n, int64_t k, Fill fill, std::vector<int3
   using U = typename MagnitudeKey<T>::U;
   std::vector<int32_t> cand;
   // A threshold from a sample, when the sample is worth it (k well below n).
+  // The threshold is never below 1: entries of magnitude zero (key 0) all
+  // tie, so the ones needed are the lowest-index ones, added at the end
+  // without making every zero a candidate (a densified embedding gradient is
+  // mostly zeros).
   constexpr int64_t kSample = 4096;
-  U threshold = 0;
-  int64_t sample_rank = 0;  // 0: no sample, everything is a candidate
+  U threshold = 1;
+  int64_t sample_rank = 0;  // 0: no sample, every nonzero entry is a candidate
   std::vector<U> sample;
   if (n >= 8 * kSample && k * 4 <= n) {
     // The sample is read before x is produced: fill.Peek(i) gives one entry.
@@ -183,23 +188,38 @@ void SelectLargest(const T* x, int64_t n, int64_t k, Fill fill, std::vector<int3
     double expect = static_cast<double>(kSample) * k / n;
     sample_rank = std::min<int64_t>(kSample, static_cast<int64_t>(1.3 * expect + 4.0 * std::sqrt(expect) + 2));
     std::nth_element(sample.begin(), sample.begin() + (sample_rank - 1), sample.end(), std::greater<U>());
-    threshold = sample[sample_rank - 1];
+    threshold = std::max<U>(1, sample[sample_rank - 1]);
     cand.reserve(static_cast<size_t>(std::min<int64_t>(n, 2 * k + 1024)));
   } else {
     cand.reserve(static_cast<size_t>(n));
   }
   constexpr int64_t kBlock = 4096;
   for (int64_t b = 0; b < n; b += kBlock) fill(b, std::min(n, b + kBlock), threshold, &cand);
-  while (static_cast<int64_t>(cand.size()) < k) {  // too few: lower the threshold
+  while (static_cast<int64_t>(cand.size()) < k && threshold > 1) {  // too few: lower the threshold
     cand.clear();
     sample_rank = std::min<int64_t>(kSample, sample_rank * 4);
     if (sample_rank >= kSample || sample.empty()) {
-      threshold = 0;
+      threshold = 1;
     } else {
       std::nth_element(sample.begin(), sample.begin() + (sample_rank - 1), sample.end(), std::greater<U>());
-      threshold = sample[sample_rank - 1];
+      threshold = std::max<U>(1, sample[sample_rank - 1]);
     }
     Collect(x, 0, n, threshold, &cand);
+  }
+  if (static_cast<int64_t>(cand.size()) < k) {
+    // Every nonzero entry is a winner; the rest are the lowest-index zeros.
+    int64_t zeros = k - static_cast<int64_t>(cand.size());
+    size_t j = 0;
+    for (int64_t i = 0; i < n && (zeros > 0 || j < cand.size()); ++i) {
+      if (j < cand.size() && cand[j] == i) {
+        out->push_back(static_cast<int32_t>(i));
+        ++j;
+      } else if (zeros > 0 && KeyOf(x[i]) == 0) {
+        out->push_back(static_cast<int32_t>(i));
+        --zeros;
+      }
+    }
+    return;
   }
   const int64_t c = static_cast<int64_t>(cand.size());
   if (c == k) {

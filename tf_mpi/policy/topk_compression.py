@@ -35,6 +35,14 @@ All ranks sum the same pairs in the same order (the allgathered buffer is
 identical everywhere; a gTop-k merge adds exactly two values, which is
 commutative), so the reduced gradient is bitwise identical on every rank.
 The sums run on the CPU, whose segment sum adds in input order.
+
+The selection (fused with the residual add), the gTop-k merge and the
+residual update are CPU kernels of cpp/tf/topk_select.cc: an exact O(n)
+selection (a sampled threshold, one pass collecting candidates, nth_element
+on them) where tf.math.top_k over |acc| was O(n log k), plus a few passes over
+the gradient instead of a dozen. Sets of pairs travel by ascending index; the
+merge bookkeeping (which of this rank's entries survived) is kept as index
+sets, not dense masks.
 """
 import math
 

@@ -39,7 +39,7 @@ The sums run on the CPU, whose segment sum adds in input order.
 The selection (fused with the residual add), the gTop-k merge and the
 residual update are CPU kernels of cpp/tf/topk_select.cc: an exact O(n)
 selection (a sampled threshold, one pass collecting candidates, nth_element
-on them) where tf.math.top_k over |acc| was O(n log k), plus a few passes over
+on them; tf.math.top_k over |acc| is O(n log k)), and a few passes over
 the gradient instead of a dozen. Sets of pairs travel by ascending index; the
 merge bookkeeping (which of this rank's entries survived) is kept as index
 sets, not dense masks.

@@ -6,8 +6,9 @@ A, ...: benchmarks/harness.py's rotation) so that a busy machine slows all modes
 alike. Per mode it prints the payload bytes each rank handed to MPI per step (the
 engine's byte counters), the
 median step time with its spread over rounds, and the time the top-k work
-itself costs on this machine (selection, packing, summing, residual update,
-with the exchange left out), measured in the same process.
+itself costs on this machine (residual add and selection, packing, the merge,
+the dense result, residual update, with the exchange left out), measured in
+the same process.
 
 From those, the alpha-beta cost model gives the network bandwidth below
 which top-k pays: per step it saves beta * (W_dense - W_sparse) of wire time
@@ -41,7 +42,8 @@ from bench_models import MODELS  # noqa: E402
 
 import tf_mpi as hvd  # noqa: E402
 from tf_mpi.basics import _core  # noqa: E402
-from tf_mpi.policy.topk_compression import select_topk  # noqa: E402
+from tf_mpi.policy.topk_compression import (  # noqa: E402
+    _intersect, accumulate_and_select, merge_topk, residual_after, select_topk)
 
 MODES = ("none", "fp16", "topk", "gtopk")
 
@@ -86,34 +88,35 @@ def make_step(model, loss_fn, mode, ratio):
 
 
 def local_topk_cost(model, ratio, repeats=20):
-    """Seconds per step of top-k's own work on this rank's gradients, without the exchange:
-    residual add, selection, packing to bytes and back, the sparse sum and the residual update."""
+    """Seconds per step of gTop-k's own work at 2 ranks on this rank's gradients, without the exchange:
+    residual add and selection, packing to bytes and back, the merge with a partner's k pairs, the
+    dense result and the residual update (top-k has the same work with a sparse sum for the merge)."""
     variables = model.trainable_variables
     residuals = [tf.Variable(tf.zeros_like(v)) for v in variables]
     grads = [tf.random.normal(v.shape) for v in variables]
+    ks = [max(1, math.ceil(ratio * v.shape.num_elements())) for v in variables]
+    partner = [select_topk(tf.random.normal(v.shape), k) for v, k in zip(variables, ks)]
 
     @tf.function
     def work():
         out = []
-        for g, r in zip(grads, residuals):
-            acc = tf.reshape(g + r, [-1])
-            n = acc.shape[0]
-            k = max(1, math.ceil(ratio * n))
-            idx, val = select_topk(acc, k)
+        for g, r, k, other in zip(grads, residuals, ks, partner):
+            n = g.shape.num_elements()
+            acc, idx, val = accumulate_and_select(g, r, k)
             payload = tf.concat([tf.reshape(tf.bitcast(idx, tf.uint8), [-1]),
                                  tf.reshape(tf.bitcast(val, tf.uint8), [-1])], 0)
             back_idx = tf.bitcast(tf.reshape(payload[:4 * k], [k, 4]), tf.int32)
             back_val = tf.bitcast(tf.reshape(payload[4 * k:], [k, 4]), tf.float32)
-            out.append(tf.math.unsorted_segment_sum(back_val, back_idx, n))
-            keep = tf.scatter_nd(idx[:, None], tf.ones_like(idx), [n]) > 0
-            r.assign(tf.reshape(tf.where(keep, tf.zeros_like(acc), acc), r.shape))
+            merged_idx, merged_val = merge_topk((back_idx, back_val), other, k)
+            out.append(tf.reshape(tf.scatter_nd(merged_idx[:, None], merged_val, [n]), g.shape))
+            r.assign(tf.reshape(residual_after(acc, _intersect(idx, merged_idx)), r.shape))
         return out
 
     work()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        work()
+        work()[0].numpy()
         times.append(time.perf_counter() - t)
     # The fastest repeat is the cost on a free core; the median shows what load adds.
     return {"min": min(times), "median": statistics.median(times)}

@@ -35,6 +35,14 @@ All ranks sum the same pairs in the same order (the allgathered buffer is
 identical everywhere; a gTop-k merge adds exactly two values, which is
 commutative), so the reduced gradient is bitwise identical on every rank.
 The sums run on the CPU, whose segment sum adds in input order.
+
+The selection (fused with the residual add), the gTop-k merge and the
+residual update are CPU kernels of cpp/tf/topk_select.cc: an exact O(n)
+selection (a sampled threshold, one pass collecting candidates, nth_element
+on them; tf.math.top_k over |acc| is O(n log k)), and a few passes over
+the gradient instead of a dozen. Sets of pairs travel by ascending index; the
+merge bookkeeping (which of this rank's entries survived) is kept as index
+sets, not dense masks.
 """
 import math
 
@@ -46,6 +54,7 @@ from tf_mpi.basics import Average, Sum
 from tf_mpi.policy.variable_identity import variable_key
 
 _INDEX_DTYPE = tf.int32
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)  # what cpp/tf/topk_select.cc selects from
 
 
 def _check_ratio(ratio):
@@ -58,13 +67,46 @@ def _check_ratio(ratio):
 
 
 def select_topk(acc, k):
-    """Indices (int32) and values of the k entries of the 1-D `acc` with the largest magnitude.
+    """Indices (int32, ascending) and values of the k entries of `acc` (flattened) with the largest magnitude.
 
-    Ties go to the lower index (tf.math.top_k's order), so every rank and the
-    numpy reference pick the same entries.
+    Ties go to the lower index, so every rank and the numpy reference pick the
+    same entries; NaN counts as larger than any magnitude, infinity included
+    (a rank holding a non-finite entry sends it: the step's result is then
+    non-finite on every rank and the step is skipped). O(n), on the CPU
+    (cpp/tf/topk_select.cc).
     """
-    _, idx = tf.math.top_k(tf.abs(acc), k=k, sorted=True)
-    return idx, tf.gather(acc, idx)
+    with tf.device("/cpu:0"):
+        return ops._lib.tf_mpi_topk_select(acc, k=k)
+
+
+def accumulate_and_select(grad, residual, k):
+    """(acc, indices, values): acc = flat(grad + residual) and select_topk(acc, k), in one pass over the data."""
+    with tf.device("/cpu:0"):
+        return ops._lib.tf_mpi_topk_accumulate(grad, tf.cast(residual, grad.dtype), k=k)
+
+
+def residual_after(acc, sent):
+    """acc with the entries at the indices `sent` and the non-finite entries set to zero."""
+    with tf.device("/cpu:0"):
+        return ops._lib.tf_mpi_topk_residual(acc, sent)
+
+
+def merge_topk(a, b, k):
+    """Sums two sets of (indices, values) pairs (distinct, ascending indices each) and keeps the k
+    largest magnitudes (select_topk's order and ties): the pairs, by ascending index."""
+    with tf.device("/cpu:0"):
+        return ops._lib.tf_mpi_topk_merge(a[0], a[1], b[0], b[1], k=k)
+
+
+def _members(a, b):
+    """Per entry of the index vector `a`: is it in the ascending index vector `b`?"""
+    padded = tf.concat([b, [-1]], 0)  # searchsorted may point one past the end; -1 is no index
+    return tf.equal(tf.gather(padded, tf.searchsorted(b, a)), a)
+
+
+def _intersect(a, b):
+    """The entries of the index vector `a` that are also in the ascending index vector `b`, in a's order."""
+    return tf.boolean_mask(a, _members(a, b))
 
 
 _PAIRS = (0, 1)  # fields of a (indices, values) pair that _pack / _unpack carry: both
@@ -176,8 +218,9 @@ class SparsifyingCompressor(tf.Module):
             flat, shapes, parts, layout = [], [], [], []
             for g, r in zip(grads, residuals):
                 g = tf.convert_to_tensor(g)
-                if not g.dtype.is_floating:
-                    raise ValueError(f"tf_mpi: top-k compression needs floating-point gradients, got {g.dtype.name}")
+                if g.dtype not in _FLOAT_DTYPES:
+                    raise ValueError("tf_mpi: top-k compression needs float16, bfloat16, float32 or float64 "
+                                     f"gradients, got {g.dtype.name}")
                 n = g.shape.num_elements()
                 if n is None:
                     raise ValueError("tf_mpi: top-k compression needs gradients of a fully known static shape, "
@@ -185,8 +228,7 @@ class SparsifyingCompressor(tf.Module):
                 if n >= 2 ** 31:
                     raise ValueError(f"tf_mpi: top-k compression indexes with int32; a gradient of {n} entries is "
                                      "too large")
-                acc = tf.reshape(g + tf.cast(r, g.dtype), [-1])
-                idx, val = select_topk(acc, self.k(n))
+                acc, idx, val = accumulate_and_select(g, r, self.k(n))
                 if prescale_factor != 1.0:
                     val = val * tf.cast(prescale_factor, val.dtype)
                 flat.append(acc)
@@ -195,26 +237,25 @@ class SparsifyingCompressor(tf.Module):
                 layout.append((self.k(n), g.dtype))
             if not parts:
                 return []
-            with tf.device("/cpu:0"):
-                results, included = self._exchange(parts, layout, [a.shape[0] for a in flat], name)
             scale = postscale_factor / basics.size() if op == Average else postscale_factor
-            # A step whose reduced gradients are not all finite (a loss-scale
-            # overflow: LossScaleOptimizer skips it) leaves every residual as it
-            # was; the results are identical on every rank, so every rank agrees.
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(d)) for d in results])
-            out = []
-            for acc, shape, res, dense, keep in zip(flat, shapes, residuals, results, included):
-                if scale != 1.0:
-                    dense = dense * tf.cast(scale, dense.dtype)
-                unsent = tf.where(keep, tf.zeros_like(acc), acc)
+            with tf.device("/cpu:0"):
+                results, finite, included = self._exchange(parts, layout, [a.shape[0] for a in flat], name, scale)
+                # A step whose reduced gradients are not all finite (a loss-scale
+                # overflow: LossScaleOptimizer skips it) leaves every residual as it
+                # was; the results are identical on every rank, so every rank agrees.
                 # A non-finite entry this rank did not send is dropped, never carried.
-                unsent = tf.where(tf.math.is_finite(unsent), unsent, tf.zeros_like(unsent))
-                res.assign(tf.where(finite, tf.cast(tf.reshape(unsent, shape), res.dtype), res))
-                out.append(tf.reshape(dense, shape))
-            return out
+                unsent = [residual_after(acc, keep) for acc, keep in zip(flat, included)]
 
-    def _exchange(self, parts, layout, sizes, name):
-        """Returns per tensor the reduced dense flat tensor and the mask of this rank's entries it includes."""
+            def update():
+                for res, new, shape in zip(residuals, unsent, shapes):
+                    res.assign(tf.cast(tf.reshape(new, shape), res.dtype))
+
+            tf.cond(finite, update, lambda: None)
+            return [tf.reshape(dense, shape) for dense, shape in zip(results, shapes)]
+
+    def _exchange(self, parts, layout, sizes, name, scale):
+        """(per tensor the reduced dense flat tensor times `scale`, whether every reduced entry is finite
+        (before the scale), per tensor the indices of this rank's sent entries that the result includes)."""
         raise NotImplementedError
 
 
@@ -231,13 +272,14 @@ class TopKCompressor(SparsifyingCompressor):
 
     _kind = "topk"
 
-    def _exchange(self, parts, layout, sizes, name):
+    def _exchange(self, parts, layout, sizes, name, scale):
         gathered = tf.reshape(_mpi().allgather(_pack(parts), name=f"{name}.topk"), [basics.size(), -1])
-        results, included = [], []
-        for (idx, _), (all_idx, all_val), n in zip(parts, _unpack(gathered, layout), sizes):
-            results.append(tf.math.unsorted_segment_sum(all_val, all_idx, n))
-            included.append(_mask(idx, n))  # everything a rank sends is in the sum
-        return results, included
+        results = [tf.math.unsorted_segment_sum(all_val, all_idx, n)
+                   for (all_idx, all_val), n in zip(_unpack(gathered, layout), sizes)]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(d)) for d in results])
+        if scale != 1.0:
+            results = [d * tf.cast(scale, d.dtype) for d in results]
+        return results, finite, [idx for idx, _ in parts]  # everything a rank sends is in the sum
 
 
 class GTopKCompressor(SparsifyingCompressor):
@@ -257,13 +299,14 @@ class GTopKCompressor(SparsifyingCompressor):
 
     _kind = "gtopk"
 
-    def _exchange(self, parts, layout, sizes, name):
+    def _exchange(self, parts, layout, sizes, name, scale):
         n_ranks, me = basics.size(), basics.rank()
         pow2 = 1 << (n_ranks.bit_length() - 1)
         ks = [k for k, _ in layout]
         sets = list(parts)
-        # path[t]: indices that survived every merge on this rank's path (1) or not (0).
-        path = [tf.ones([n], tf.int32) for n in sizes]
+        # path[t]: the indices (ascending) that survived every merge on this rank's
+        # path; None before the first merge (every index).
+        path = [None] * len(parts)
 
         def round_trip(payload, partner, tag, recv_layout):
             """One alltoall in which this rank sends `payload` to `partner` only (or nothing)."""
@@ -281,14 +324,14 @@ class GTopKCompressor(SparsifyingCompressor):
                 round_trip(_pack(sets), me - pow2, "pre", None)
             elif me + pow2 < n_ranks:
                 other = round_trip(None, None, "pre", layout)
-                sets, path = self._merge(sets, other, ks, sizes, path)
+                sets, path = self._merge(sets, other, ks, path)
             else:
                 round_trip(None, None, "pre", None)
         # Recursive doubling among the first pow2 ranks.
         for j in range(pow2.bit_length() - 1):
             if me < pow2:
                 other = round_trip(_pack(sets), me ^ (1 << j), f"round{j}", layout)
-                sets, path = self._merge(sets, other, ks, sizes, path)
+                sets, path = self._merge(sets, other, ks, path)
             else:
                 round_trip(None, None, f"round{j}", None)
         # After: the result back to the ranks past the power of two, indices
@@ -296,10 +339,14 @@ class GTopKCompressor(SparsifyingCompressor):
         # set on top of the doubling rounds instead of a whole one (see
         # _result_senders).
         if n_ranks > pow2:
-            sets, path = self._hand_back(sets, path, layout, sizes, pow2, f"{name}.gtopk.post")
+            sets, path = self._hand_back(sets, path, layout, pow2, f"{name}.gtopk.post")
+        # The result has only the k pairs: its finiteness and its scale are theirs.
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for _, v in sets])
+        if scale != 1.0:
+            sets = [(i, v * tf.cast(scale, v.dtype)) for i, v in sets]
         results = [tf.scatter_nd(i[:, None], v, [n]) for (i, v), n in zip(sets, sizes)]
-        included = [tf.logical_and(_mask(idx, n), p > 0) for (idx, _), p, n in zip(parts, path, sizes)]
-        return results, included
+        included = [idx if p is None else _intersect(idx, p) for (idx, _), p in zip(parts, path)]
+        return results, finite, included
 
     @staticmethod
     def _result_senders(extra, n_ranks, pow2):
@@ -315,14 +362,15 @@ class GTopKCompressor(SparsifyingCompressor):
         r = n_ranks - pow2
         return extra - pow2, (extra - pow2 + r) % pow2
 
-    def _hand_back(self, sets, path, layout, sizes, pow2, name):
+    def _hand_back(self, sets, path, layout, pow2, name):
         """The final alltoall: ranks past pow2 receive indices and values from their two senders."""
         n_ranks, me = basics.size(), basics.rank()
         splits, payload = [0] * n_ranks, []
         for extra in range(pow2, n_ranks):  # destinations in rank order, as alltoall concatenates them
             index_sender, value_sender = self._result_senders(extra, n_ranks, pow2)
             if me == index_sender:
-                marked = [(tf.where(tf.gather(p, i) > 0, i, tf.bitwise.invert(i)), v) for (i, v), p in zip(sets, path)]
+                marked = [(i if p is None else tf.where(_members(i, p), i, tf.bitwise.invert(i)), v)
+                          for (i, v), p in zip(sets, path)]
                 payload.append(_pack(marked, _INDICES))
                 splits[extra] += _packed_bytes(layout, _INDICES)
             if me == value_sender:
@@ -340,31 +388,15 @@ class GTopKCompressor(SparsifyingCompressor):
         marked = _unpack(tf.reshape(index_bytes, [1, -1]), layout, _INDICES)
         values = _unpack(tf.reshape(value_bytes, [1, -1]), layout, _VALUES)
         sets = [(tf.where(i < 0, tf.bitwise.invert(i), i), v) for (i,), (v,) in zip(marked, values)]
-        path = [tf.scatter_nd(j[:, None], tf.cast(i >= 0, tf.int32), [n])
-                for (i,), (j, _), n in zip(marked, sets, sizes)]
+        path = [tf.boolean_mask(j, i >= 0) for (i,), (j, _) in zip(marked, sets)]
         return sets, path
 
     @staticmethod
-    def _merge(mine, other, ks, sizes, path):
+    def _merge(mine, other, ks, path):
         """Sums two sets of pairs per tensor and keeps the k largest; the same on both partners."""
-        merged, new_path = [], []
-        for (ia, va), (ib, vb), k, n, p in zip(mine, other, ks, sizes, path):
-            idx = tf.concat([ia, ib], 0)
-            val = tf.concat([va, vb], 0)
-            union = tf.sort(tf.unique(idx).y)  # ascending: a canonical order on both partners
-            seg = tf.searchsorted(union, idx)
-            summed = tf.math.unsorted_segment_sum(val, seg, tf.size(union))  # at most two addends
-            _, pos = tf.math.top_k(tf.abs(summed), k=k, sorted=True)   # ties: lower index
-            keep_idx = tf.gather(union, pos)
-            merged.append((keep_idx, tf.gather(summed, pos)))
-            new_path.append(p * _mask(keep_idx, n, tf.int32))
+        merged = [merge_topk(a, b, k) for a, b, k in zip(mine, other, ks)]
+        new_path = [i if p is None else _intersect(p, i) for (i, _), p in zip(merged, path)]
         return merged, new_path
-
-
-def _mask(idx, n, dtype=tf.bool):
-    """A length-n vector that is true (1) at `idx` (distinct indices)."""
-    hit = tf.scatter_nd(idx[:, None], tf.ones_like(idx), [n])
-    return hit > 0 if dtype == tf.bool else tf.cast(hit, dtype)
 
 
 def _mpi():

@@ -115,7 +115,8 @@ def test_a_lost_rank_ends_the_whole_job_promptly(runs, fault):
     pids = [int(open(os.path.join(run["out"], f"pid.{r}")).read()) for r in range(3)]
     assert not [p for p in pids if process_alive(p)], f"processes left: {[p for p in pids if process_alive(p)]}\n" + describe
     assert re.search(WHO[fault], run["output"]), describe
-    if fault == "raise":
+    if fault == "raise":  # tf_mpi's excepthook (TF_MPI_ABORT_ON_EXCEPTION on by default) aborts the job
+        assert "[tf_mpi rank 1] aborting the job" in run["output"], describe
         assert "MPI_ABORT was invoked on rank 1" in run["output"], describe
     assert "fit returned" not in run["output"], describe
 

@@ -199,18 +199,19 @@ def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=Fals
 _joint = {}  # (group, np) -> {section name: (last, section, time limit)}
 
 
-def joint_launch(group, np, name, worker, args=(), env=None, timeout=300, last=False):
+def joint_launch(group, np, name, worker, args=(), env=None, timeout=300, last=False, heavy=False):
     """Joins section `name` (section(name, worker, args, env)) to the launch `group` on np ranks;
     returns launch(start=False): that section's run of the launch (start=True: starts the launch).
     Sections run in the order their modules were collected, those with last=True at the end (e.g. a
-    check of what happens at process exit); the launch's time limit is its sections' sum (<= 900 s)."""
+    check of what happens at process exit); the launch's time limit is its sections' sum (<= 900 s).
+    heavy=True (a section that needs several GiB of memory): the launch is heavy (shared_launch)."""
     entry = _joint.setdefault((group, np), {})
-    entry[name] = (last, section(name, worker, args, env), timeout)
+    entry[name] = (last, section(name, worker, args, env), timeout, heavy)
 
     def launch(start=False):
         parts = sorted(entry.values(), key=lambda part: part[0])  # stable: collection order, last ones last
-        run = sections_launch(np, [sec for _, sec, _ in parts], timeout=min(900, sum(t for _, _, t in parts)),
-                              start=start)
+        run = sections_launch(np, [part[1] for part in parts], timeout=min(900, sum(part[2] for part in parts)),
+                              heavy=any(part[3] for part in parts), start=start)
         return run if start else run.section(name)
     return launch
 

@@ -3,12 +3,12 @@ eager and tf.function, gradients, ordering, edge cases and errors.
 
 np=2 runs with the default fusion settings (and the >2^31-element case);
 np=3 runs with fusion off and 4 KiB MPI chunks, so both code paths and a
-non-power-of-two world are covered; it is a section of the np=3 launch that
-other modules' workers join (mpi_harness.joint_launch).
+non-power-of-two world are covered; each is a section of the launch of that
+size that other modules' workers join (mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np, shared_launch
+from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np
 
 WORKER = "allreduce_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
@@ -19,14 +19,13 @@ CONFIGS = {
 }
 
 
-JOINT3 = joint_launch("np3", 3, "allreduce", WORKER, env=CONFIGS[3], timeout=240)
+# np=2 allocates 2 x 4 GiB (TF_MPI_TEST_BIG): its launch never runs beside another one that needs as much.
+LAUNCHES = {2: joint_launch("np2", 2, "allreduce", WORKER, env=CONFIGS[2], timeout=420, heavy=True),
+            3: joint_launch("np3", 3, "allreduce", WORKER, env=CONFIGS[3], timeout=240)}
 
 
 def launch(np, start=False):
-    if np == 3:
-        return JOINT3(start=start)
-    # np=2 allocates 2 x 4 GiB (TF_MPI_TEST_BIG): never beside another launch that needs as much.
-    return shared_launch(np, WORKER, timeout=420, env=CONFIGS[np], heavy=np == 2, start=start)
+    return LAUNCHES[np](start=start)
 
 
 prefetch = prefetch_by_np(launch)
@@ -37,7 +36,7 @@ def test_launch_exits_cleanly(np):
     """Workers exit without calling shutdown(): the job must still end with rc 0 and no MPI complaints."""
     run = launch(np)
     run.assert_clean_exit()
-    whole = run.launch  # np=3: the joint launch, whose last section exits without shutdown()
+    whole = run.launch  # the joint launch, whose last section exits without shutdown()
     assert "exited improperly" not in whole.output and "MPI_ABORT" not in whole.output, whole.describe()
 
 

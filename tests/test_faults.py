@@ -115,7 +115,8 @@ def test_a_lost_rank_ends_the_whole_job_promptly(runs, fault):
     pids = [int(open(os.path.join(run["out"], f"pid.{r}")).read()) for r in range(3)]
     assert not [p for p in pids if process_alive(p)], f"processes left: {[p for p in pids if process_alive(p)]}\n" + describe
     assert re.search(WHO[fault], run["output"]), describe
-    if fault == "raise":
+    if fault == "raise":  # tf_mpi's excepthook (TF_MPI_ABORT_ON_EXCEPTION on by default) aborts the job
+        assert "[tf_mpi rank 1] aborting the job" in run["output"], describe
         assert "MPI_ABORT was invoked on rank 1" in run["output"], describe
     assert "fit returned" not in run["output"], describe
 
@@ -124,10 +125,14 @@ def test_the_watchdog_ends_a_job_whose_collective_stays_in_mpi_too_long(runs):
     run = _watchdog_runs["fires"]
     describe = f"rc={run['rc']} elapsed={run['elapsed']:.1f}s\n{run['output'][-5000:]}"
     assert not run["timed_out"] and run["rc"] != 0, describe
-    m = re.search(r"\[tf_mpi rank \d\] ERROR: collective 'loop' \(67108864 bytes\) has been inside MPI for "
+    # Normally the 64 MiB 'loop' allreduce; on a loaded machine a collective of init (a few bytes,
+    # while a peer still starts) may stay in MPI past the 1 ms limit first: the watchdog ends the job
+    # all the same.
+    m = re.search(r"\[tf_mpi rank \d\] ERROR: collective '[^']+' \(\d+ bytes\) has been inside MPI for "
                   r"([\d.]+) s without completing \(limit ([\d.]+) s", run["output"])
     assert m, describe
-    assert float(m.group(1)) > float(m.group(2)), describe
+    # 1 ms + at most 64 MiB at 10^9 MB/s, printed with 3 significant digits
+    assert float(m.group(1)) > float(m.group(2)) == 0.001, describe
     assert "MPI_ABORT was invoked" in run["output"], describe
 
 

@@ -1,17 +1,15 @@
 """Keras 3 training under real mpirun: DistributedOptimizer (equivalence with
 single-process training, bit-identical weights, clipping, mixed precision,
 accumulation, sparse gradients, XLA), DistributedGradientTape, callbacks,
-save/load and SyncBatchNormalization."""
+save/load and SyncBatchNormalization. A section of the second np=2 launch that other
+modules' workers join (mpi_harness.joint_launch; the shared-memory and runtime sections)."""
 import pytest
 
-from mpi_harness import assert_check, check_names, shared_launch
+from mpi_harness import assert_check, check_names, joint_launch
 
 WORKER = "keras_worker.py"
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "90"}
-
-
-def launch(start=False):
-    return shared_launch(2, WORKER, timeout=600, env=ENV, start=start, long=True)  # queued first
+launch = joint_launch("np2b", 2, "keras", WORKER, env=ENV, timeout=600)
 
 
 def prefetch(items):

@@ -9,7 +9,7 @@ same process and with numpy; TF_MPI_SHM=0 keeps it off; and a rank that exits
 in the middle of a stream of shared-memory allreduces ends the job."""
 import pytest
 
-from mpi_harness import assert_check, check_names, param, section, sections_launch, shared_launch
+from mpi_harness import assert_check, check_names, joint_launch, param, shared_launch
 
 WORKER = "shm_worker.py"
 # A 4 KiB pipeline chunk makes small arrays take many steps; arrays of 1 KiB
@@ -32,19 +32,16 @@ OFF_CHECKS = LAUNCHES["off"][1]["TF_MPI_TEST_ONLY"].split(",")
 DIE = (2, {"SHM_SCENARIO": "die", "TF_MPI_SHM": "1"})
 
 
-# The np=2 launches that end cleanly are sections of one launch, each with its own settings.
-TOGETHER = ["np2", "progress", "off"]
-
-
-def together(start=False):
-    return sections_launch(2, [section(key, WORKER, env=LAUNCHES[key][1]) for key in TOGETHER], timeout=480,
-                           start=start)
+# The launches that end cleanly are sections, each with its own settings, of launches that other
+# modules' workers join (mpi_harness.joint_launch): np=3 of the np=3 launch, the np=2 ones of the
+# second np=2 launch.
+JOINT = {key: joint_launch("np2b" if LAUNCHES[key][0] == 2 else "np3", LAUNCHES[key][0], f"shm.{key}", WORKER,
+                           env=LAUNCHES[key][1], timeout=240) for key in ("np2", "progress", "off", "np3")}
 
 
 def launch(key, start=False):
-    if key in TOGETHER:
-        run = together(start=start)
-        return run if start else run.section(key)
+    if key in JOINT:
+        return JOINT[key](start=start)
     np, env = DIE if key == "die" else LAUNCHES[key]
     return shared_launch(np, WORKER, timeout=120 if key == "die" else 240, env=env, start=start)
 

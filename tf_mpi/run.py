@@ -408,7 +408,7 @@ def run_reporting_lost_hosts(argv, env, grace_s=None):
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if ended_at and time.time() - ended_at[0] > grace_s:
+            if not stuck and ended_at and time.time() - ended_at[0] > grace_s:
                 # SIGTERM is not enough: mpirun handles it by starting the same wait again.
                 stuck = True
                 proc.kill()

@@ -110,9 +110,15 @@ if SCENARIO == "engine":
                 y = _core.allreduce(np.full(elems, _core.rank() + 1, np.float32), SUM, f"{tag}.{rnd}.{i}")
                 assert y.shape == (elems,) and np.all(y == n * (n + 1) / 2), (tag, i)
 
-        # Alone, a caller drives its own small batches (nothing else of its rank is in flight);
-        # with the threads below, how often it still does depends on the machine's load.
-        loop("solo", 20, 256, 0)
+        # Alone, a caller drives its own small batches (nothing else of its rank is in flight),
+        # unless the engine thread happens to take each first (timing, the machine's load): up to
+        # 10 rounds of 20, every rank going on until all have driven one (the ranks agree after
+        # each round, so all make the same calls).
+        for solo in range(10):
+            loop("solo", 20, 256, solo)
+            mine = np.array([1.0 if _core.stats()["inline_batches"] > 0 else 0.0], np.float32)
+            if _core.allreduce(mine, SUM, f"solo.agree.{solo}")[0] == n:
+                break
         assert _core.stats()["inline_batches"] > 0, _core.stats()
         for rnd in range(3):
             threads = [threading.Thread(target=loop, args=("small.a", 150, 256, rnd)),

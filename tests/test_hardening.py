@@ -19,11 +19,9 @@ OWN_TESTS = {"test_a_relay_that_cannot_read_its_child_aborts_the_job": "relay",
 
 def launch(scenario, start=False):
     # The big scenario's reducescatter moves 2 GiB: never beside another launch that needs as much.
-    # The engine scenario counts batches that callers' threads ran themselves, which a launch beside
-    # it on a 2-core machine can starve to none: it runs alone.
     np = 4 if scenario == "relay" else SCENARIOS[scenario]
     return shared_launch(np, WORKER, timeout=120 if scenario == "relay" else 180, env=ENV.get(scenario),
-                         args=[scenario], heavy=scenario == "big", alone=scenario == "engine", start=start)
+                         args=[scenario], heavy=scenario == "big", start=start)
 
 
 def prefetch(items):

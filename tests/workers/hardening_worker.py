@@ -110,25 +110,37 @@ if SCENARIO == "engine":
                 y = _core.allreduce(np.full(elems, _core.rank() + 1, np.float32), SUM, f"{tag}.{rnd}.{i}")
                 assert y.shape == (elems,) and np.all(y == n * (n + 1) / 2), (tag, i)
 
-        # Alone, a caller drives its own small batches (nothing else of its rank is in flight),
-        # unless the engine thread happens to take each first (timing, the machine's load): up to
-        # 10 rounds of 20, every rank going on until all have driven one (the ranks agree after
-        # each round, so all make the same calls).
-        for solo in range(10):
-            loop("solo", 20, 256, solo)
-            mine = np.array([1.0 if _core.stats()["inline_batches"] > 0 else 0.0], np.float32)
-            if _core.allreduce(mine, SUM, f"solo.agree.{solo}")[0] == n:
-                break
-        assert _core.stats()["inline_batches"] > 0, _core.stats()
-        for rnd in range(3):
-            threads = [threading.Thread(target=loop, args=("small.a", 150, 256, rnd)),
-                       threading.Thread(target=loop, args=("small.b", 150, 256, rnd)),
-                       threading.Thread(target=loop, args=("big", 15, 1 << 18, rnd))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=120)
-                assert not t.is_alive(), "a submitting thread hangs"
+        # A caller keeps its batch only while the answer comes within TF_MPI_INLINE_WAIT_US (100 us
+        # by default), then hands it to the engine thread; on a loaded machine the answer rarely
+        # comes that fast and no batch would run inline. A 200 ms wait (this check's engine only)
+        # makes callers run theirs whatever the load.
+        set_environ({"TF_MPI_INLINE_WAIT_US": 200_000})
+        _core.shutdown()
+        _core.init()
+        try:
+            # Alone, a caller drives its own small batches (nothing else of its rank is in flight),
+            # unless the engine thread holds the turn at that moment: up to 10 rounds of 20, every
+            # rank going on until all have driven one (the ranks agree after each round, so all
+            # make the same calls).
+            for solo in range(10):
+                loop("solo", 20, 256, solo)
+                mine = np.array([1.0 if _core.stats()["inline_batches"] > 0 else 0.0], np.float32)
+                if _core.allreduce(mine, SUM, f"solo.agree.{solo}")[0] == n:
+                    break
+            assert _core.stats()["inline_batches"] > 0, _core.stats()
+            for rnd in range(3):
+                threads = [threading.Thread(target=loop, args=("small.a", 150, 256, rnd)),
+                           threading.Thread(target=loop, args=("small.b", 150, 256, rnd)),
+                           threading.Thread(target=loop, args=("big", 15, 1 << 18, rnd))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=120)
+                    assert not t.is_alive(), "a submitting thread hangs"
+        finally:
+            set_environ({"TF_MPI_INLINE_WAIT_US": None})
+            _core.shutdown()
+            _core.init()
         s = _core.stats()
         # A caller hands over as soon as another request of its rank is in
         # flight (engine.cc Drive), so it rarely even meets a large batch

@@ -1,12 +1,15 @@
 """TF_MPI_HIERARCHICAL=auto across pretend hosts (tests/cluster.py): the engine's start-up probe of
-the inter-node link, and the decision it feeds.
+the inter-node link, the start-up timing of both allreduce paths, and the decision they feed.
 
 One launch of 2 hosts x 2 ranks (prefix "cal", addresses 10.231.9.0/24) of
 tests/workers/hierarchical_auto_worker.py: init() without TF_MPI_INTER_NODE_LINK measures the
-link and the alpha inside a node (rank 0 logs the figures once), every rank ends with the same figures and the same size
-window, allreduces of 1 KiB-4 MiB go hierarchical exactly where the window says, on every rank,
-with right sums; with TF_MPI_INTER_NODE_LINK set there is no probe and the figures are the user's.
-Plus the probe's arithmetic (tf_mpi._core.link_from_ping_pong) without MPI.
+link and the alpha inside a node (rank 0 logs the figures once) and times the flat and the
+hierarchical allreduce from 4 KiB up; every rank ends with the same figures, the same timings and
+the window those timings give, allreduces of 1 KiB-4 MiB go hierarchical exactly where the window
+says, on every rank, with right sums; with TF_MPI_INTER_NODE_LINK set there is neither probe nor
+timing, and the window is the model's with the user's figures.
+Plus, without MPI, the probe's arithmetic (tf_mpi._core.link_from_ping_pong) and how timings
+become a window (tf_mpi._core.hierarchical_window_from_timings).
 
 Needs root (network namespaces); skipped with the reason otherwise.
 """
@@ -35,6 +38,24 @@ def test_link_from_ping_pong_arithmetic():
     # Noise made the large message no slower than the small one: beta from the large one alone.
     alpha, beta = _core.link_from_ping_pong(50e-6, 8, 40e-6, 1 << 17, 1)
     assert beta == pytest.approx(40e-6 / (1 << 17)) and beta > 0
+
+
+def test_window_from_timings():
+    K = 1 << 10
+    sizes = [4 * K, 16 * K, 64 * K, 256 * K, 1024 * K, 4096 * K]
+    window = _core.hierarchical_window_from_timings
+    # Hierarchical faster from 64 KiB on: open-ended (larger sizes go as the largest timed).
+    assert window(sizes, [1] * 6, [1.2, 1.1, 0.5, 0.6, 0.6, 0.5]) == (64 * K, None)
+    # Faster from the smallest size up to 1 MiB only.
+    assert window(sizes, [1] * 6, [0.5, 0.5, 0.5, 0.6, 1.3, 1.5]) == (0, 1024 * K)
+    # One slower size amid faster ones is outvoted; at the edge of the run it ends the window.
+    assert window(sizes, [1] * 6, [1.2, 1.1, 0.5, 0.6, 1.5, 0.5]) == (64 * K, None)
+    assert window(sizes, [1] * 6, [1.2, 1.1, 0.5, 0.6, 1.5, 1.5]) == (64 * K, 1024 * K)
+    # Within the 5 % margin it is a tie, and ties go to the flat allreduce: nowhere.
+    assert window(sizes, [1] * 6, [0.97] * 6) == (0, 0)
+    assert window(sizes, [1] * 6, [1.5] * 6) == (0, 0)
+    with pytest.raises(ValueError):
+        window(sizes, [1] * 6, [1] * 5)
 
 
 def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
@@ -80,15 +101,35 @@ def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
     inside = re.findall(r"inside a node ([0-9.]+) us per message", output)
     assert len(inside) == 1 and float(inside[0]) == pytest.approx(intra_alpha * 1e6, abs=0.06), output[-3000:]
 
+    # Both paths were timed once, in phase "probe": every rank holds rank-identical figures (the
+    # slowest rank's per call; only the timing's own wall time is each rank's) and the window they
+    # give; rank 0 logged it.
+    timed = [ranks[i]["probe"]["hierarchical"]["timed"] for i in range(4)]
+    figures = [{k: v for k, v in t.items() if k != "seconds"} for t in timed]
+    assert all(f == figures[0] for f in figures), timed
+    t0 = timed[0]
+    assert t0["bytes"][:3] == [4 << 10, 16 << 10, 64 << 10] and len(t0["bytes"]) >= 3, t0
+    assert all(b * 4 == c for b, c in zip(t0["bytes"], t0["bytes"][1:])), t0
+    assert all(v > 0 for v in t0["flat_s"] + t0["hierarchical_s"]) and 0 < t0["seconds"] < 5, t0
+    print("timed (ms):", [(b >> 10, round(f * 1e3, 3), round(h * 1e3, 3))
+                          for b, f, h in zip(t0["bytes"], t0["flat_s"], t0["hierarchical_s"])])
+    assert "both paths timed at start-up" in probe[0]["summary"], probe[0]["summary"]
+    assert output.count("both paths timed at start-up") == 1, output[-3000:]
+    assert ranks[0]["given"]["hierarchical"]["timed"]["bytes"] == []
+
     for phase in ("probe", "given"):
         windows = {(ranks[i][phase]["hierarchical"]["min_bytes"], ranks[i][phase]["hierarchical"]["max_bytes"])
                    for i in range(4)}
         assert len(windows) == 1, f"{phase}: ranks chose different windows {windows}"
         lo, hi = windows.pop()
         h0 = ranks[0][phase]["hierarchical"]
-        model = _core.hierarchical_model(1.0, 2, 2, h0["intra_alpha_s"], h0["intra_beta_s"], h0["inter_alpha_s"],
-                                         h0["inter_beta_s"])
-        assert (lo, hi) == (model["auto_min_bytes"], model["auto_max_bytes"]), (phase, lo, hi, model)
+        if phase == "probe":
+            want = _core.hierarchical_window_from_timings(t0["bytes"], t0["flat_s"], t0["hierarchical_s"])
+        else:
+            model = _core.hierarchical_model(1.0, 2, 2, h0["intra_alpha_s"], h0["intra_beta_s"], h0["inter_alpha_s"],
+                                             h0["inter_beta_s"])
+            want = (model["auto_min_bytes"], model["auto_max_bytes"])
+        assert (lo, hi) == want, (phase, lo, hi, want)
         for i in range(4):
             for row in ranks[i][phase]["rows"]:
                 inside = lo <= row["bytes"] and (hi is None or row["bytes"] < hi)

@@ -12,6 +12,7 @@
 
 #include "common/logging.h"
 #include "engine/engine.h"
+#include "execution/hierarchical_timing.h"
 #include "transports/cuda_device.h"
 #include "transports/link_probe.h"
 
@@ -454,11 +455,16 @@ PYBIND11_MODULE(_core, m) {
                                                                      : py::object(py::int_(c.window.max_bytes)),
                     py::arg("homogeneous") = Ctx().homogeneous(), py::arg("summary") = c.summary,
                     py::arg("intra_alpha_s") = c.intra.alpha_s, py::arg("intra_beta_s") = c.intra.beta_s,
-                    py::arg("inter_alpha_s") = c.inter.alpha_s, py::arg("inter_beta_s") = c.inter.beta_s);
+                    py::arg("inter_alpha_s") = c.inter.alpha_s, py::arg("inter_beta_s") = c.inter.beta_s,
+                    py::arg("timed") = py::dict(py::arg("bytes") = c.timed.bytes, py::arg("flat_s") = c.timed.flat_s,
+                                                py::arg("hierarchical_s") = c.timed.hierarchical_s,
+                                                py::arg("seconds") = c.timed.seconds));
   }, "Where allreduces of host memory use the hierarchical scheme (TF_MPI_HIERARCHICAL): the mode, whether the\n"
      "topology allows it, the buffer sizes [min_bytes, max_bytes) that use it (max_bytes None: no upper end;\n"
-     "min == max: none), whether all nodes have the same number of ranks, a one-line summary, and the model's\n"
-     "links (seconds per message step and per byte; the inter-node one measured at start-up unless set).");
+     "min == max: none), whether all nodes have the same number of ranks, a one-line summary, the model's\n"
+     "links (seconds per message step and per byte; the inter-node one measured at start-up unless set), and\n"
+     "`timed`: across real hosts under auto, the start-up timings the window came from (sizes in bytes, median\n"
+     "seconds of the flat and the hierarchical path, the slowest rank's; empty lists where not timed).");
   m.def("hierarchical_model", [](double bytes, int nodes, int ranks_per_node, py::object intra_alpha_s,
                                   py::object intra_beta_s, py::object inter_alpha_s, py::object inter_beta_s) {
     HierarchicalSettings s = HierarchicalSettings::FromEnv();
@@ -479,6 +485,16 @@ PYBIND11_MODULE(_core, m) {
      "hierarchical, on nodes x ranks_per_node ranks, and the sizes auto would use there. Links: the arguments\n"
      "given (seconds per message step, seconds per byte; e.g. those of hierarchical()), else\n"
      "TF_MPI_INTRA_NODE_LINK / TF_MPI_INTER_NODE_LINK, else the defaults. Needs no init().");
+  m.def("hierarchical_window_from_timings", [](std::vector<int64_t> bytes, std::vector<double> flat_s,
+                                               std::vector<double> hierarchical_s) {
+    if (bytes.size() != flat_s.size() || bytes.size() != hierarchical_s.size())
+      throw py::value_error("bytes, flat_s and hierarchical_s must have the same length");
+    const SizeWindow w = WindowFromTimings(PathTimings{std::move(bytes), std::move(flat_s), std::move(hierarchical_s)});
+    const int64_t any = std::numeric_limits<int64_t>::max();
+    return py::make_tuple(w.min_bytes, w.max_bytes == any ? py::object(py::none()) : py::object(py::int_(w.max_bytes)));
+  }, py::arg("bytes"), py::arg("flat_s"), py::arg("hierarchical_s"),
+     "auto's window across real hosts from start-up timings (hierarchical_timing.h): (min_bytes, max_bytes or\n"
+     "None) for timed sizes and the two paths' seconds; min == max: nowhere. Needs no init().");
   m.def("link_from_ping_pong", [](double small_s, int64_t small_bytes, double large_s, int64_t large_bytes,
                                   int streams) {
     const Link l = LinkFromPingPong(small_s, small_bytes, large_s, large_bytes, streams);

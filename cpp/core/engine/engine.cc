@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/logging.h"
+#include "execution/hierarchical_timing.h"
 #include "transports/link_probe.h"
 #include "transports/peer_failure.h"
 
@@ -168,11 +169,6 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
     mpi_.Release();
     return s;
   }
-  if (mpi_.rank() == 0) {
-    // Said once where it matters: more than one node, or forced on.
-    if (hierarchical_.mode == HierarchicalMode::kOn && !hierarchical_.usable) LogWarning(hierarchical_.summary);
-    else if (mpi_.cross_size() > 1 && hierarchical_.mode != HierarchicalMode::kOff) LogInfo(hierarchical_.summary);
-  }
   {
     StateLock lock(mu_);
     stop_requested_ = false;
@@ -182,6 +178,23 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
   // (and shown by tf_mpi.gpu_transport()) before any GPU tensor arrives.
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
   protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, hierarchical_, &stats_, &timeline_);
+  // Across real hosts auto's window comes from timing both paths, the executor's own
+  // (hierarchical_timing.h); a process set's engine keeps the model's.
+  if (!opts.process_set && WantsPathTimings(config_.hierarchical, mpi_, hierarchical_)) {
+    const PathTimings timed = TimeAllreducePaths(mpi_, protocol_->hierarchical_allreduce(), config_.tunables.chunk_bytes);
+    hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_, &timed);
+    if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {
+      protocol_.reset();
+      mpi_.Release();
+      return s;
+    }
+    protocol_->set_hierarchical(hierarchical_);
+  }
+  if (mpi_.rank() == 0) {
+    // Said once where it matters: more than one node, or forced on.
+    if (hierarchical_.mode == HierarchicalMode::kOn && !hierarchical_.usable) LogWarning(hierarchical_.summary);
+    else if (mpi_.cross_size() > 1 && hierarchical_.mode != HierarchicalMode::kOff) LogInfo(hierarchical_.summary);
+  }
   protocol_->set_watchdog(&watchdog_);
   watchdog_.Start(watchdog_settings_);
   if (!opts.elastic && config_.peer_timeout_s > 0 && mpi_.size() > 1) {

@@ -78,6 +78,7 @@ class Executor {
         gpu_(&collectives_, gpu.transport, config.gpu_chunk_bytes),
         managed_scratch_(gpu.transport == GpuTransport::kDirect && gpu.mpi_cuda_aware != 1), tunables_(config.tunables),
         stats_(stats), timeline_(timeline), shm_(ShmCollectives::Create(mpi, config)) {}
+  HierarchicalAllreduce& hierarchical_allreduce() { return hierarchical_; }
 
   // Executes `decisions`; requests they name are completed and removed from
   // `in_flight`. Returns false if a decision names a request this rank does

@@ -1,8 +1,12 @@
 #include "execution/hierarchical.h"
 
+#include <cstdio>
+
 #include <algorithm>
 #include <climits>
 #include <limits>
+
+#include "execution/hierarchical_timing.h"
 
 namespace tfmpi {
 
@@ -24,7 +28,7 @@ std::string WindowString(const SizeWindow& w) {
 
 }  // namespace
 
-HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiContext& mpi) {
+HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiContext& mpi, const PathTimings* timed) {
   HierarchicalChoice c;
   c.mode = s.mode;
   c.intra = s.intra;
@@ -51,13 +55,23 @@ HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiCo
     c.window = {s.threshold_bytes, any};
     why = " (TF_MPI_HIERARCHICAL_THRESHOLD)";
   } else {
-    c.window = HierarchicalWindow(nodes, per_node, s.intra, s.inter);
-    why = " (alpha-beta model, sizes rounded to powers of two; intra-node link " +
-          std::string(s.intra_given ? "from TF_MPI_INTRA_NODE_LINK" : "default") + ", inter-node link " +
-          (s.inter_given    ? "from TF_MPI_INTER_NODE_LINK"
-           : s.inter_probed ? "measured at start-up"
-                            : "default: not measured, set TF_MPI_INTER_NODE_LINK") +
-          ")";
+    const std::string links =
+        "intra-node link " + std::string(s.intra_given ? "from TF_MPI_INTRA_NODE_LINK" : "default") +
+        ", inter-node link " +
+        (s.inter_given    ? "from TF_MPI_INTER_NODE_LINK"
+         : s.inter_probed ? "measured at start-up"
+                          : "default: not measured, set TF_MPI_INTER_NODE_LINK");
+    if (timed && !timed->bytes.empty() && !s.inter_given) {
+      c.timed = *timed;
+      c.window = WindowFromTimings(*timed);
+      char took[64];
+      std::snprintf(took, sizeof(took), " in %.2f s", timed->seconds);
+      why = " (both paths timed at start-up" + std::string(took) + ", flat/hierarchical: " + TimingsString(*timed) +
+            "; larger sizes as the largest; the model's " + links + ")";
+    } else {
+      c.window = HierarchicalWindow(nodes, per_node, s.intra, s.inter);
+      why = " (alpha-beta model, sizes rounded to powers of two; " + links + ")";
+    }
   }
   c.summary = prefix + "hierarchical for " + WindowString(c.window) + why + "; " + topology;
   return c;

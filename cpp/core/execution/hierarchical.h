@@ -30,17 +30,27 @@
 
 namespace tfmpi {
 
+// Both allreduce paths timed at start-up (hierarchical_timing.h).
+struct PathTimings {
+  std::vector<int64_t> bytes;                  // the sizes timed, ascending
+  std::vector<double> flat_s, hierarchical_s;  // median seconds per size (slowest rank)
+  double seconds = 0;                          // the timing's own wall time
+};
+
 struct HierarchicalChoice {
   HierarchicalMode mode = HierarchicalMode::kOff;
   bool usable = false;  // more than one node, more than one rank per node, all nodes alike
   SizeWindow window;    // buffers of these sizes (bytes) go hierarchical
   Link intra, inter;    // the model's links (identical on every rank: settings or the probe's broadcast)
   std::string summary;  // one line: what is used, for which sizes, and why
+  PathTimings timed;    // what the window came from, where timed at start-up (else empty)
   bool Chooses(int64_t bytes) const { return usable && window.Contains(bytes); }
 };
 
-// From the topology and settings alone (no MPI call).
-HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& settings, const MpiContext& mpi);
+// From the topology and settings alone (no MPI call); with `timed`, where
+// auto decides by size, the window is the timings' (WindowFromTimings).
+HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& settings, const MpiContext& mpi,
+                                      const PathTimings* timed = nullptr);
 // Collective over mpi.comm(): an error on every rank unless all ranks chose alike.
 Status AgreeOnChoice(const MpiContext& mpi, const HierarchicalChoice& choice);
 
@@ -56,6 +66,8 @@ class HierarchicalAllreduce {
   HierarchicalAllreduce(const MpiContext* mpi, const HierarchicalChoice& choice, const EngineConfig& config);
   bool Chooses(int64_t bytes) const { return choice_.Chooses(bytes); }
   const HierarchicalChoice& choice() const { return choice_; }
+  // Only before the first allreduce, with the same usable() (identical on every rank).
+  void set_choice(const HierarchicalChoice& c) { choice_ = c; }
   void set_chunk_bytes(int64_t chunk_bytes);
 
   // out = reduce(in) over all ranks; in == nullptr or in == out reduces in place.

@@ -63,6 +63,10 @@ class Protocol {
   bool lost() const { return lost_; }
   // Times each batch's MPI work (watchdog.h); null: not timed.
   void set_watchdog(Watchdog* w) { watchdog_ = w; }
+  // The executor's hierarchical allreduce, for timing it at init before any
+  // request (hierarchical_timing.h); then the window chosen from the timings.
+  HierarchicalAllreduce& hierarchical_allreduce() { return executor_.hierarchical_allreduce(); }
+  void set_hierarchical(const HierarchicalChoice& c) { executor_.hierarchical_allreduce().set_choice(c); }
   // The peer liveness check (liveness.h) whose declarations this protocol
   // turns into errors; null: none runs.
   void set_liveness(Liveness* l) { liveness_ = l; }

@@ -1,0 +1,126 @@
+#include "execution/hierarchical_timing.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <limits>
+
+#include "transports/collectives.h"
+
+namespace tfmpi {
+
+namespace {
+
+// Timed calls per path and size (plus one warm-up each): more where a call is short.
+int CallsFor(int64_t bytes) { return bytes <= (256 << 10) ? 7 : 3; }
+
+std::string Size(int64_t b) {
+  char s[32];
+  if (b >= (1 << 20)) std::snprintf(s, sizeof(s), "%lld MiB", static_cast<long long>(b >> 20));
+  else std::snprintf(s, sizeof(s), "%lld KiB", static_cast<long long>(b >> 10));
+  return s;
+}
+
+}  // namespace
+
+PathTimings TimeAllreducePaths(const MpiContext& mpi, HierarchicalAllreduce& hierarchical, int64_t chunk_bytes) {
+  PathTimings t;
+  const auto start = std::chrono::steady_clock::now();
+  const Collectives flat(&mpi, chunk_bytes);
+  std::vector<float> in, out;  // grown with the sizes: a fast network times up to kTimingLargestBytes
+  double spent = 0;  // from the reduced (identical) times, so every rank stops at the same size
+  for (int64_t bytes = kTimingSmallestBytes; bytes <= kTimingLargestBytes; bytes *= 4) {
+    const int64_t count = bytes / static_cast<int64_t>(sizeof(float));
+    in.resize(count, 1.0f);
+    out.resize(count);
+    auto run = [&](bool hier) {
+      MPI_Barrier(mpi.comm());
+      const double t0 = MPI_Wtime();
+      if (hier) hierarchical.Allreduce(in.data(), out.data(), count, DataType::kFloat32, ReduceOp::kSum, nullptr);
+      else flat.Allreduce(in.data(), out.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      return MPI_Wtime() - t0;
+    };
+    run(false);
+    run(true);
+    const int calls = CallsFor(bytes);
+    std::vector<double> mine(2 * calls), slowest(2 * calls);
+    for (int i = 0; i < calls; ++i) {
+      mine[2 * i] = run(false);
+      mine[2 * i + 1] = run(true);
+    }
+    MPI_Allreduce(mine.data(), slowest.data(), 2 * calls, MPI_DOUBLE, MPI_MAX, mpi.comm());
+    // The fastest call of each path: a busy machine only ever adds time (a
+    // descheduled rank, a late wake-up), so the minimum is what the path costs.
+    double flat_s = slowest[0], hier_s = slowest[1];
+    for (int i = 1; i < calls; ++i) {
+      flat_s = std::min(flat_s, slowest[2 * i]);
+      hier_s = std::min(hier_s, slowest[2 * i + 1]);
+    }
+    t.bytes.push_back(bytes);
+    t.flat_s.push_back(flat_s);
+    t.hierarchical_s.push_back(hier_s);
+    spent += (calls + 1) * (flat_s + hier_s);
+    // The next size's calls take about 4x as long (bandwidth-bound sizes; less below).
+    if (bytes < kTimingLargestBytes && spent + 4 * (CallsFor(bytes * 4) + 1) * (flat_s + hier_s) > kTimingBudgetSeconds)
+      break;
+  }
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return t;
+}
+
+SizeWindow WindowFromTimings(const PathTimings& t) {
+  // The run of timed sizes whose summed gains are largest (none if no sum is
+  // positive). A size's gain is hierarchical's saving relative to the slower
+  // path, less kHierarchicalMargin (a near-tie counts against the
+  // hierarchical path), and bounded to +-0.5 so that one disturbed size cannot
+  // outweigh its neighbours: the window is one range, as the sizes' costs vary
+  // smoothly, and an isolated win or loss inside it is taken as noise.
+  const size_t n = t.bytes.size();
+  std::vector<double> gain(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double slower = std::max(t.flat_s[i], t.hierarchical_s[i]);
+    const double g = slower > 0 ? (t.flat_s[i] - t.hierarchical_s[i]) / slower - kHierarchicalMargin : 0;
+    gain[i] = std::max(-0.5, std::min(0.5, g));
+  }
+  double best = 0;
+  size_t from = 0, to = 0;  // [from, to): none
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0;
+    for (size_t j = i; j < n; ++j) {
+      sum += gain[j];
+      if (sum > best) best = sum, from = i, to = j + 1;
+    }
+  }
+  SizeWindow w;  // {0, 0}: nowhere
+  if (to > from) {
+    w.min_bytes = from == 0 ? 0 : t.bytes[from];
+    w.max_bytes = to == n ? std::numeric_limits<int64_t>::max() : t.bytes[to];
+  }
+  return w;
+}
+
+std::string TimingsString(const PathTimings& t) {
+  std::string s;
+  char one[96];
+  for (size_t i = 0; i < t.bytes.size(); ++i) {
+    std::snprintf(one, sizeof(one), "%s%s %.3g/%.3g ms", i ? ", " : "", Size(t.bytes[i]).c_str(), t.flat_s[i] * 1e3,
+                  t.hierarchical_s[i] * 1e3);
+    s += one;
+  }
+  return s;
+}
+
+}  // namespace tfmpi
+
+namespace tfmpi {
+
+bool WantsPathTimings(const HierarchicalSettings& s, const MpiContext& mpi, const HierarchicalChoice& choice) {
+  // usable, cross_size() and the topology's source are the same on every rank:
+  // all or none get past here, and then all take part in the reduction.
+  if (!choice.usable || mpi.topology_source().rfind("TF_MPI_TOPOLOGY", 0) == 0) return false;
+  int need = s.UsesModel() && !s.inter_given ? 1 : 0, any = 0;
+  MPI_Allreduce(&need, &any, 1, MPI_INT, MPI_MAX, mpi.comm());
+  return any != 0;
+}
+
+}  // namespace tfmpi

@@ -1,0 +1,66 @@
+// TF_MPI_HIERARCHICAL=auto across real hosts: the sizes that go hierarchical
+// are those where the hierarchical allreduce was faster than the flat one when
+// both were timed at start-up, on this job's ranks and network.
+//
+// Why timing and not the alpha-beta model (hierarchical_model.h): on
+// block-placed ranks the hierarchical allreduce moves the same bytes across
+// nodes as a flat Rabenseifner allreduce that pairs ranks of its own node
+// first, and the MPI's own allreduce is often node-aware already (Open MPI 5's
+// coll/han, MPICH's SMP collectives). Which is faster then depends on the
+// MPI's algorithm at each size, on how many streams a node needs to fill its
+// link and on the CPU each stream costs, none of which the model knows. On a
+// 2x2 cluster of pretend hosts, 1 Gb/s links, Open MPI 5's flat allreduce was
+// 1.3-1.9x faster than the hierarchical one at 4-16 MiB while the model had
+// them equal; unlimited, the hierarchical one was 1.3-1.6x faster.
+//
+// What is timed: float32 Sum allreduces of 4 KiB, 16 KiB, ... (x4) through the
+// engine's own two paths (Collectives::Allreduce over all ranks; the
+// HierarchicalAllreduce), alternating, after one warm-up call each, each call
+// after a barrier, the slowest rank's time counting; the fastest of 7 calls
+// (to 256 KiB) or 3 (larger) per path and size. Sizes grow while the next one's calls fit in what is
+// left of kTimingBudgetSeconds (about 0.5-1 s at 1 Gb/s, tens of ms on a fast
+// network); sizes beyond the largest timed one take its winner. All ranks
+// reduce their times together after each size, so they stop at the same size
+// and derive the same window.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/env.h"
+#include "common/hierarchical_model.h"
+#include "execution/hierarchical.h"
+#include "transports/mpi_context.h"
+
+namespace tfmpi {
+
+// Whether this job times the two paths: more than one real host (not nodes
+// declared by TF_MPI_TOPOLOGY), the hierarchical allreduce usable, and on some
+// rank auto deciding by size without TF_MPI_INTER_NODE_LINK (a given link asks
+// for the model). Collective over mpi.comm() where `choice` is usable: the
+// same answer on every rank.
+bool WantsPathTimings(const HierarchicalSettings& settings, const MpiContext& mpi, const HierarchicalChoice& choice);
+
+// Collective over mpi.comm(), before the engine's first request: times
+// `hierarchical` (the executor's own, usable, whatever its window) against
+// the flat allreduce in calls of `chunk_bytes`.
+PathTimings TimeAllreducePaths(const MpiContext& mpi, HierarchicalAllreduce& hierarchical, int64_t chunk_bytes);
+
+// The window of sizes where the hierarchical path was faster, by more than
+// kHierarchicalMargin over the run of sizes (the .cc says how a disturbed size
+// is outvoted): from a timed size to the next timed size outside it (min_bytes
+// 0 when from the smallest, max_bytes INT64_MAX when through the largest).
+// Pure: from `t` alone, so identical on every rank.
+SizeWindow WindowFromTimings(const PathTimings& t);
+
+// One line per the timings, e.g. "4 KiB 0.25/0.26 ms, 16 KiB ...": flat/hierarchical.
+std::string TimingsString(const PathTimings& t);
+
+// Hierarchical must beat flat by this share to be chosen: closer, the two are a
+// tie, and a tie goes to MPI's own allreduce.
+constexpr double kHierarchicalMargin = 0.05;
+constexpr double kTimingBudgetSeconds = 1.0;
+constexpr int64_t kTimingSmallestBytes = 4 << 10, kTimingLargestBytes = 64 << 20;
+
+}  // namespace tfmpi

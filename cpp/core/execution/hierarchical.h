@@ -11,8 +11,10 @@
 // exactly (they do not depend on the order of the sum).
 //
 // When: decided once at init (ChooseHierarchical) from the topology and the
-// settings (hierarchical_model.h), both identical on every rank (AgreeOnChoice
-// checks), so every rank takes the same path for the same buffer size.
+// settings (hierarchical_model.h) and, across real hosts under auto, from
+// timing both paths (hierarchical_timing.h), all identical on every rank
+// (AgreeOnChoice checks), so every rank takes the same path for the same
+// buffer size.
 // The executor uses it for allreduces of host memory (fused buffers and
 // direct tensors); GPU tensors keep their transport (gpu_transport.h).
 #pragma once

@@ -350,7 +350,7 @@ class _Job:
 
 
 _jobs = {}           # key -> _Job of a launch started ahead
-_held = None         # while the prefetches are collected (hold_starts): [(long, order, job)] not yet queued
+_held = None         # while the prefetches are collected (hold_starts): [(long, sections, order, job)] not yet queued
 
 
 def hold_starts():
@@ -361,10 +361,14 @@ def hold_starts():
 
 def release_starts():
     """Queues the launches given since hold_starts(): those marked long first (so that the longest
-    do not start last and end the session alone), the others in the order they were given."""
+    do not start last and end the session alone), sections launches first among them, the others
+    in the order they were given."""
     global _held
     held, _held = _held or [], None
-    for _, _, job in sorted(held, key=lambda h: (not h[0], h[1])):
+    # Among the long ones the sections (joint) launches come first: they are the longest (the np=2
+    # one of the Keras, runtime and shared-memory sections takes ~150 s and, queued behind the
+    # elastic scenarios, was the last launch of the session to end).
+    for _, _, _, job in sorted(held, key=lambda h: (not h[0], not h[1], h[2])):
         _executor().submit(job.run)
 
 
@@ -379,7 +383,8 @@ def start_shared(fn, *args, heavy=False, alone=False, long=False, **kwargs):
             job = _jobs[key] = _Job(fn, args, kwargs, heavy, alone)
             _futures[key] = job.future
             if _held is not None:
-                _held.append((long, len(_held), job))
+                sections = fn is run_mpi and len(args) > 1 and args[1] == SECTIONS_WORKER
+                _held.append((long, sections, len(_held), job))
             else:
                 _executor().submit(job.run)
         return _futures[key]

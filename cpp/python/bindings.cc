@@ -12,7 +12,6 @@
 
 #include "common/logging.h"
 #include "engine/engine.h"
-#include "execution/hierarchical_timing.h"
 #include "transports/cuda_device.h"
 #include "transports/link_probe.h"
 

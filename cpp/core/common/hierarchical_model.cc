@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <sstream>
@@ -44,6 +45,13 @@ Link ParseLink(const char* name, const std::string& v) {
     throw std::invalid_argument(std::string("tf_mpi: ") + name + "=" + v +
                                 " is not ALPHA_US,GB_PER_S (latency in microseconds, bandwidth in GB/s), e.g. 5,12.5");
   return Link{alpha_us * 1e-6, 1.0 / (gbps * 1e9)};
+}
+
+std::string SizeName(int64_t b) {
+  char s[32];
+  if (b >= (1 << 20)) std::snprintf(s, sizeof(s), "%lld MiB", static_cast<long long>(b >> 20));
+  else std::snprintf(s, sizeof(s), "%lld KiB", static_cast<long long>(b >> 10));
+  return s;
 }
 
 std::string LinkString(const Link& l, bool given, bool probed = false) {
@@ -125,6 +133,48 @@ SizeWindow HierarchicalWindow(int nodes, int ranks_per_node, const Link& intra, 
   }
   if (inside) w.max_bytes = std::numeric_limits<int64_t>::max();
   return w;
+}
+
+SizeWindow WindowFromTimings(const PathTimings& t) {
+  // The run of timed sizes whose summed gains are largest (none if no sum is
+  // positive). A size's gain is hierarchical's saving relative to the slower
+  // path, less kHierarchicalMargin (a near-tie counts against the
+  // hierarchical path), and bounded to +-0.5 so that one disturbed size cannot
+  // outweigh its neighbours: the window is one range, as the sizes' costs vary
+  // smoothly, and an isolated win or loss inside it is taken as noise.
+  const size_t n = t.bytes.size();
+  std::vector<double> gain(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double slower = std::max(t.flat_s[i], t.hierarchical_s[i]);
+    const double g = slower > 0 ? (t.flat_s[i] - t.hierarchical_s[i]) / slower - kHierarchicalMargin : 0;
+    gain[i] = std::max(-0.5, std::min(0.5, g));
+  }
+  double best = 0;
+  size_t from = 0, to = 0;  // [from, to): none
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0;
+    for (size_t j = i; j < n; ++j) {
+      sum += gain[j];
+      if (sum > best) best = sum, from = i, to = j + 1;
+    }
+  }
+  SizeWindow w;  // {0, 0}: nowhere
+  if (to > from) {
+    w.min_bytes = from == 0 ? 0 : t.bytes[from];
+    w.max_bytes = to == n ? std::numeric_limits<int64_t>::max() : t.bytes[to];
+  }
+  return w;
+}
+
+std::string TimingsString(const PathTimings& t) {
+  std::string s;
+  char one[96];
+  for (size_t i = 0; i < t.bytes.size(); ++i) {
+    std::snprintf(one, sizeof(one), "%s%s %.3g/%.3g ms", i ? ", " : "", SizeName(t.bytes[i]).c_str(), t.flat_s[i] * 1e3,
+                  t.hierarchical_s[i] * 1e3);
+    s += one;
+  }
+  return s;
 }
 
 }  // namespace tfmpi

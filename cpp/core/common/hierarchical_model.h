@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tfmpi {
 
@@ -72,5 +73,28 @@ struct SizeWindow {
   bool Contains(int64_t bytes) const { return bytes >= min_bytes && bytes < max_bytes; }
 };
 SizeWindow HierarchicalWindow(int nodes, int ranks_per_node, const Link& intra, const Link& inter);
+
+// Across real hosts auto's window comes from timing both paths at start-up
+// instead (execution/hierarchical_timing.h says how and why); these are the
+// figures and the pure arithmetic on them.
+struct PathTimings {
+  std::vector<int64_t> bytes;                  // the sizes timed, ascending
+  std::vector<double> flat_s, hierarchical_s;  // seconds per size (the slowest rank's fastest call)
+  double seconds = 0;                          // the timing's own wall time
+};
+
+// Hierarchical must beat flat by this share to be chosen: closer, the two are a
+// tie, and a tie goes to MPI's own allreduce.
+constexpr double kHierarchicalMargin = 0.05;
+
+// The window of sizes where the hierarchical path was faster, by more than
+// kHierarchicalMargin over the run of sizes (the .cc says how a disturbed size
+// is outvoted): from a timed size to the next timed size outside it (min_bytes
+// 0 when from the smallest, max_bytes INT64_MAX when through the largest).
+// Identical on every rank, as the figures are.
+SizeWindow WindowFromTimings(const PathTimings& t);
+
+// "4 KiB 0.25/0.26 ms, 16 KiB ...": flat/hierarchical per size.
+std::string TimingsString(const PathTimings& t);
 
 }  // namespace tfmpi

@@ -32,13 +32,6 @@
 
 namespace tfmpi {
 
-// Both allreduce paths timed at start-up (hierarchical_timing.h).
-struct PathTimings {
-  std::vector<int64_t> bytes;                  // the sizes timed, ascending
-  std::vector<double> flat_s, hierarchical_s;  // median seconds per size (slowest rank)
-  double seconds = 0;                          // the timing's own wall time
-};
-
 struct HierarchicalChoice {
   HierarchicalMode mode = HierarchicalMode::kOff;
   bool usable = false;  // more than one node, more than one rank per node, all nodes alike

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <limits>
 
 #include "transports/collectives.h"
@@ -13,13 +12,6 @@ namespace {
 
 // Timed calls per path and size (plus one warm-up each): more where a call is short.
 int CallsFor(int64_t bytes) { return bytes <= (256 << 10) ? 7 : 3; }
-
-std::string Size(int64_t b) {
-  char s[32];
-  if (b >= (1 << 20)) std::snprintf(s, sizeof(s), "%lld MiB", static_cast<long long>(b >> 20));
-  else std::snprintf(s, sizeof(s), "%lld KiB", static_cast<long long>(b >> 10));
-  return s;
-}
 
 }  // namespace
 
@@ -66,48 +58,6 @@ PathTimings TimeAllreducePaths(const MpiContext& mpi, HierarchicalAllreduce& hie
   }
   t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return t;
-}
-
-SizeWindow WindowFromTimings(const PathTimings& t) {
-  // The run of timed sizes whose summed gains are largest (none if no sum is
-  // positive). A size's gain is hierarchical's saving relative to the slower
-  // path, less kHierarchicalMargin (a near-tie counts against the
-  // hierarchical path), and bounded to +-0.5 so that one disturbed size cannot
-  // outweigh its neighbours: the window is one range, as the sizes' costs vary
-  // smoothly, and an isolated win or loss inside it is taken as noise.
-  const size_t n = t.bytes.size();
-  std::vector<double> gain(n);
-  for (size_t i = 0; i < n; ++i) {
-    const double slower = std::max(t.flat_s[i], t.hierarchical_s[i]);
-    const double g = slower > 0 ? (t.flat_s[i] - t.hierarchical_s[i]) / slower - kHierarchicalMargin : 0;
-    gain[i] = std::max(-0.5, std::min(0.5, g));
-  }
-  double best = 0;
-  size_t from = 0, to = 0;  // [from, to): none
-  for (size_t i = 0; i < n; ++i) {
-    double sum = 0;
-    for (size_t j = i; j < n; ++j) {
-      sum += gain[j];
-      if (sum > best) best = sum, from = i, to = j + 1;
-    }
-  }
-  SizeWindow w;  // {0, 0}: nowhere
-  if (to > from) {
-    w.min_bytes = from == 0 ? 0 : t.bytes[from];
-    w.max_bytes = to == n ? std::numeric_limits<int64_t>::max() : t.bytes[to];
-  }
-  return w;
-}
-
-std::string TimingsString(const PathTimings& t) {
-  std::string s;
-  char one[96];
-  for (size_t i = 0; i < t.bytes.size(); ++i) {
-    std::snprintf(one, sizeof(one), "%s%s %.3g/%.3g ms", i ? ", " : "", Size(t.bytes[i]).c_str(), t.flat_s[i] * 1e3,
-                  t.hierarchical_s[i] * 1e3);
-    s += one;
-  }
-  return s;
 }
 
 }  // namespace tfmpi

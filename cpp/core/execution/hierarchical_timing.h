@@ -47,19 +47,6 @@ bool WantsPathTimings(const HierarchicalSettings& settings, const MpiContext& mp
 // the flat allreduce in calls of `chunk_bytes`.
 PathTimings TimeAllreducePaths(const MpiContext& mpi, HierarchicalAllreduce& hierarchical, int64_t chunk_bytes);
 
-// The window of sizes where the hierarchical path was faster, by more than
-// kHierarchicalMargin over the run of sizes (the .cc says how a disturbed size
-// is outvoted): from a timed size to the next timed size outside it (min_bytes
-// 0 when from the smallest, max_bytes INT64_MAX when through the largest).
-// Pure: from `t` alone, so identical on every rank.
-SizeWindow WindowFromTimings(const PathTimings& t);
-
-// One line per the timings, e.g. "4 KiB 0.25/0.26 ms, 16 KiB ...": flat/hierarchical.
-std::string TimingsString(const PathTimings& t);
-
-// Hierarchical must beat flat by this share to be chosen: closer, the two are a
-// tie, and a tie goes to MPI's own allreduce.
-constexpr double kHierarchicalMargin = 0.05;
 constexpr double kTimingBudgetSeconds = 1.0;
 constexpr int64_t kTimingSmallestBytes = 4 << 10, kTimingLargestBytes = 64 << 20;
 

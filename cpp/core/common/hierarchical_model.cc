@@ -47,13 +47,6 @@ Link ParseLink(const char* name, const std::string& v) {
   return Link{alpha_us * 1e-6, 1.0 / (gbps * 1e9)};
 }
 
-std::string SizeName(int64_t b) {
-  char s[32];
-  if (b >= (1 << 20)) std::snprintf(s, sizeof(s), "%lld MiB", static_cast<long long>(b >> 20));
-  else std::snprintf(s, sizeof(s), "%lld KiB", static_cast<long long>(b >> 10));
-  return s;
-}
-
 std::string LinkString(const Link& l, bool given, bool probed = false) {
   std::ostringstream os;
   os << l.alpha_s * 1e6 << "us," << 1e-9 / l.beta_s << "GB/s" << (given ? "" : probed ? "(probed)" : "(default)");
@@ -61,6 +54,13 @@ std::string LinkString(const Link& l, bool given, bool probed = false) {
 }
 
 }  // namespace
+
+std::string SizeName(int64_t b) {
+  if (b == std::numeric_limits<int64_t>::max()) return "any size";
+  if (b >= (1 << 20) && b % (1 << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b >= (1 << 10) && b % (1 << 10) == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
 
 const char* HierarchicalModeName(HierarchicalMode m) {
   return m == HierarchicalMode::kOff ? "0" : m == HierarchicalMode::kOn ? "1" : "auto";

@@ -94,6 +94,9 @@ constexpr double kHierarchicalMargin = 0.05;
 // Identical on every rank, as the figures are.
 SizeWindow WindowFromTimings(const PathTimings& t);
 
+// "4 KiB", "16 MiB", "1000 B"; INT64_MAX (a window's open end) is "any size".
+std::string SizeName(int64_t bytes);
+
 // "4 KiB 0.25/0.26 ms, 16 KiB ...": flat/hierarchical per size.
 std::string TimingsString(const PathTimings& t);
 

@@ -12,18 +12,11 @@ namespace tfmpi {
 
 namespace {
 
-std::string Bytes(int64_t b) {
-  if (b == std::numeric_limits<int64_t>::max()) return "any size";
-  if (b >= (1 << 20) && b % (1 << 20) == 0) return std::to_string(b >> 20) + " MiB";
-  if (b >= (1 << 10) && b % (1 << 10) == 0) return std::to_string(b >> 10) + " KiB";
-  return std::to_string(b) + " B";
-}
-
 std::string WindowString(const SizeWindow& w) {
   if (w.min_bytes >= w.max_bytes) return "no buffer size";
   if (w.max_bytes == std::numeric_limits<int64_t>::max())
-    return w.min_bytes == 0 ? "every buffer" : "buffers of " + Bytes(w.min_bytes) + " and more";
-  return "buffers from " + Bytes(w.min_bytes) + " up to (not including) " + Bytes(w.max_bytes);
+    return w.min_bytes == 0 ? "every buffer" : "buffers of " + SizeName(w.min_bytes) + " and more";
+  return "buffers from " + SizeName(w.min_bytes) + " up to (not including) " + SizeName(w.max_bytes);
 }
 
 }  // namespace

@@ -179,8 +179,10 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
   gpu_choice_ = ChooseGpuTransport(config_.cuda_aware);
   protocol_ = std::make_unique<Protocol>(&mpi_, config_, gpu_choice_, hierarchical_, &stats_, &timeline_);
   // Across real hosts auto's window comes from timing both paths, the executor's own
-  // (hierarchical_timing.h); a process set's engine keeps the model's.
-  if (!opts.process_set && WantsPathTimings(config_.hierarchical, mpi_, hierarchical_)) {
+  // (hierarchical_timing.h). A process set's engine keeps the model's, and so does elastic
+  // mode: its re-inits follow failures, and a second of busy collectives on shared cores
+  // can starve ULFM's heartbeat thread into declaring a live rank failed.
+  if (!opts.process_set && !opts.elastic && WantsPathTimings(config_.hierarchical, mpi_, hierarchical_)) {
     const PathTimings timed = TimeAllreducePaths(mpi_, protocol_->hierarchical_allreduce(), config_.tunables.chunk_bytes);
     hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_, &timed);
     if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {

@@ -462,7 +462,7 @@ PYBIND11_MODULE(_core, m) {
      "topology allows it, the buffer sizes [min_bytes, max_bytes) that use it (max_bytes None: no upper end;\n"
      "min == max: none), whether all nodes have the same number of ranks, a one-line summary, the model's\n"
      "links (seconds per message step and per byte; the inter-node one measured at start-up unless set), and\n"
-     "`timed`: across real hosts under auto, the start-up timings the window came from (sizes in bytes, median\n"
+     "`timed`: across real hosts under auto, the start-up timings the window came from (sizes in bytes, fastest\n"
      "seconds of the flat and the hierarchical path, the slowest rank's; empty lists where not timed).");
   m.def("hierarchical_model", [](double bytes, int nodes, int ranks_per_node, py::object intra_alpha_s,
                                   py::object intra_beta_s, py::object inter_alpha_s, py::object inter_beta_s) {

@@ -124,7 +124,8 @@ def test_public_paths_are_the_modules_where_the_code_lives():
     assert tf_mpi.grouping is importlib.import_module("tf_mpi.policy.grouping")
     from tf_mpi.grouping import make_plan
     assert make_plan is tf_mpi.grouping.make_plan
-    for tool, args, rc in (("predict", ["--help"], 0), ("timeline_plot", ["--help"], 0), ("timeline_analysis", [], 2)):
+    for tool, args, rc in (("predict", ["--help"], 0), ("timeline_plot", ["--help"], 0), ("timeline_analysis", [], 2),
+                             ("timeline_analysis", ["--help"], 0)):
         run = subprocess.run([sys.executable, "-m", f"tf_mpi.{tool}", *args], capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == rc and f"usage: python -m tf_mpi.{tool}" in run.stdout + run.stderr, (tool, run)
@@ -143,3 +144,30 @@ def test_keras_package_exports_the_api_and_its_keras_names():
     assert hvd.elastic is importlib.import_module("tf_mpi.keras.elastic")  # not tf_mpi.elastic
     assert hvd.grouping is tf_mpi.grouping and hvd.data is tf_mpi.data
     assert _has_example(hvd) and _has_example(hvd.callbacks) and _has_example(hvd.load_model)
+
+
+def test_autograph_calls_tf_mpi_code_as_it_is_and_still_converts_the_users():
+    """Inside a user's tf.function, AutoGraph leaves tf_mpi's functions and methods alone (as
+    TensorFlow's and Keras' own: no parsing and rewriting of the reducer, the codecs and the
+    sparse handling at each trace) and still converts the user's code."""
+    import tensorflow as tf
+    import tf_mpi
+    from tensorflow.python.autograph.impl import conversion  # what AutoGraph itself consults
+    from tf_mpi.keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
+    from tf_mpi.policy import reducer, sparse, topk_compression
+    for entity in (tf_mpi.allreduce, tf_mpi.grouped_allreduce, tf_mpi.allgather, tf_mpi.broadcast,
+                   tf_mpi.alltoall, tf_mpi.reducescatter, tf_mpi.broadcast_variables,
+                   tf_mpi.DistributedGradientTape.gradient, reducer.GradientReducer,
+                   tf_mpi.Compression.fp16.compress, KerasDistributedOptimizer,
+                   *[f for m in (reducer, sparse, topk_compression) for f in vars(m).values()
+                     if inspect.isfunction(f) and f.__module__ == m.__name__]):
+        assert conversion.is_allowlisted(entity), entity
+
+    def users_own(x):  # a Python `if` on a tensor: only runs inside tf.function if AutoGraph converts it
+        if tf.reduce_sum(x) > 0:
+            return x * 2.0
+        return -x
+
+    assert not conversion.is_allowlisted(users_own)
+    assert tf.function(users_own)(tf.constant([1.0, 2.0])).numpy().tolist() == [2.0, 4.0]
+    assert tf.function(users_own)(tf.constant([-1.0])).numpy().tolist() == [1.0]

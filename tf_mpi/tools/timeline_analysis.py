@@ -131,10 +131,19 @@ def analyze(path, skip=2):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m tf_mpi.timeline_analysis trace.json"
+    if len(argv) == 1 and argv[0] in ("-h", "--help"):
+        print(usage + "\n\nPrints the medians over the steps of a tf_mpi timeline (TF_MPI_TIMELINE): "
+              "step_ms, comm_ms, overlap_share, tail_ms, tail_share, and tail_share_max.")
+        return 0
     if len(argv) != 1:
-        print("usage: python -m tf_mpi.timeline_analysis trace.json", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
-    result = analyze(argv[0])
+    try:
+        result = analyze(argv[0])
+    except (OSError, ValueError) as e:  # a missing or unreadable file: say which, not a traceback
+        print(f"tf_mpi.timeline_analysis: cannot read {argv[0]}: {e}", file=sys.stderr)
+        return 1
     for key, value in result.items():
         print(f"{key:>15}: {value:.4g}" if isinstance(value, float) else f"{key:>15}: {value}")
     return 0

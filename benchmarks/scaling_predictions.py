@@ -40,6 +40,8 @@ BACKPROP_SHARE = 2 / 3
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nics-per-node", type=int, default=1)
+    parser.add_argument("--flat", choices=predict.FLAT_ALGORITHMS, default="node-aware",
+                        help="how the MPI library's own allreduce crosses nodes (tf_mpi.predict --flat)")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="default: the engine's for the layout")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
@@ -54,7 +56,8 @@ def main():
         for network in NETWORKS:
             for nodes in NODES:
                 cluster = predict.Cluster(nodes, RANKS_PER_NODE, predict.PRESETS["nvlink"], predict.PRESETS[network],
-                                          nics_per_node=args.nics_per_node, chunk_bytes=args.chunk_bytes)
+                                          nics_per_node=args.nics_per_node, chunk_bytes=args.chunk_bytes,
+                                          flat=args.flat)
                 for hierarchical in (False, True):
                     p = predict.predict_step(overlapped, cluster, hierarchical)
                     q = predict.predict_step(serial, cluster, hierarchical)
@@ -66,7 +69,7 @@ def main():
                           f"| {'hierarchical' if hierarchical else 'flat'} | {p.groups} | {p.comm_s * 1e3:.1f} "
                           f"| {p.exposed_s * 1e3:.1f} | {p.efficiency:.2f} | {q.efficiency:.2f} |")
     if args.json:
-        record.write(nics_per_node=args.nics_per_node, chunk_bytes=args.chunk_bytes,
+        record.write(nics_per_node=args.nics_per_node, chunk_bytes=args.chunk_bytes, flat=args.flat,
                      backprop_share=BACKPROP_SHARE, rows=rows)
 
 

@@ -54,8 +54,18 @@ def test_hierarchical_by_hand():
     assert predict.hierarchical_allreduce_time(n, cluster)[0] == pytest.approx(inside + across)
     four_nics = Cluster(2, 4, intra=LINK, inter=SLOW, nics_per_node=4, chunk_bytes=0)
     assert predict.hierarchical_allreduce_time(n, four_nics)[0] == pytest.approx(inside + 10e-6 + n / 4 * 1e-8)
-    # flat: the slowest link paces all 8 ranks
-    assert predict.flat_allreduce_time(n, cluster)[0] == pytest.approx(predict.allreduce_time(n, 8, SLOW)[0])
+    # single-level flat: the slowest link paces all 8 ranks
+    single_level = Cluster(2, 4, intra=LINK, inter=SLOW, chunk_bytes=0, flat="single-level")
+    assert predict.flat_allreduce_time(n, single_level)[0] == pytest.approx(predict.allreduce_time(n, 8, SLOW)[0])
+    # node-aware flat (the default): reduce to one rank per node (scatter + ring: 2 x 4 MB x 3/4 beta beats
+    # a 2-level tree's 2 x 4 MB beta), the whole buffer across between 2 nodes (one exchange), broadcast back
+    rooted = 2 * (3 * 1e-6 + 3 / 4 * n * 1e-9)
+    assert predict.rooted_time(n, 4, LINK) == pytest.approx(rooted)
+    assert predict.rooted_time(100, 4, LINK) == pytest.approx(2 * (1e-6 + 100 * 1e-9))  # small: the tree
+    assert predict.flat_allreduce_time(n, cluster)[0] == pytest.approx(2 * rooted + 10e-6 + n * 1e-8)
+    # With one NIC per node both cross the network with the same bytes and exchanges: only the in-node parts differ
+    assert predict.flat_allreduce_time(n, cluster)[0] - 2 * rooted == pytest.approx(
+        predict.hierarchical_allreduce_time(n, cluster)[0] - inside)
 
 
 @pytest.mark.parametrize("nodes", [2, 4, 16, 64])
@@ -63,12 +73,19 @@ def test_hierarchical_by_hand():
 def test_hierarchical_beats_flat_when_the_network_dominates_and_equals_it_with_one_rank_per_node(nodes, nbytes):
     fast_inside = Link(1e-7, 1e-12)
     for chunk in (0, predict.DEFAULT_CHUNK_BYTES):
-        multi = Cluster(nodes, 8, intra=fast_inside, inter=SLOW, chunk_bytes=chunk)
-        hier = predict.group_time([nbytes], multi, hierarchical=True)
-        flat = predict.group_time([nbytes], multi, hierarchical=False)
-        assert hier < flat
-        single = Cluster(nodes, 1, intra=fast_inside, inter=SLOW, chunk_bytes=chunk)
-        assert predict.group_time([nbytes], single, True) == predict.group_time([nbytes], single, False)
+        for flat, nics in (("single-level", 1), ("node-aware", 8)):
+            if flat == "node-aware" and nbytes < MiB:
+                continue  # one card per rank pays off in bandwidth; small buffers are latency-bound
+            multi = Cluster(nodes, 8, intra=fast_inside, inter=SLOW, chunk_bytes=chunk, flat=flat, nics_per_node=nics)
+            hier = predict.group_time([nbytes], multi, hierarchical=True)
+            assert hier < predict.group_time([nbytes], multi, hierarchical=False), (flat, nics)
+            single = Cluster(nodes, 1, intra=fast_inside, inter=SLOW, chunk_bytes=chunk, flat=flat)
+            assert predict.group_time([nbytes], single, True) == predict.group_time([nbytes], single, False)
+
+
+def test_flat_algorithm_is_checked():
+    with pytest.raises(ValueError, match="node-aware, single-level"):
+        Cluster(2, 4, intra=LINK, inter=SLOW, flat="ring")
 
 
 def test_one_node_hierarchical_is_flat():

@@ -29,8 +29,19 @@ The model (docs/scaling.md says the same, with the numbers of the presets):
   <= p (Thakur, Rabenseifner and Gropp, "Optimization of collective communication
   operations in MPICH", 2005). Reduce-scatter and allgather (ring) each take
   ``(p-1) alpha + (p-1)/p n beta``.
-* **Flat** allreduce over all N x G ranks: the formula above with the slower link
-  (inter-node when N > 1): every ring step waits for the transfers that cross nodes.
+* **Flat** allreduce over all N x G ranks, one MPI_Allreduce: what the MPI library does
+  with it across nodes (``Cluster.flat``).
+  ``"node-aware"`` (the default; what Open MPI 5, whose ``coll/han`` takes over allreduces
+  across nodes, and MPICH, with its SMP-aware collectives, do): a reduce to one rank per
+  node, an allreduce of the whole n among those N ranks over the inter-node link (one
+  stream per node), a broadcast inside the node. A reduce or broadcast of n bytes over g
+  ranks takes the cheaper of a binomial tree, ``ceil(log2 g) (alpha + n beta)``, and
+  scatter + ring (``2 x`` the ring reduce-scatter below). Measured across pretend hosts
+  (docs/scaling.md): Open MPI 5 sends one buffer's worth across per direction at 2 x 2,
+  as this says.
+  ``"single-level"`` (an MPI whose algorithm ignores nodes): the formula above over all
+  N x G ranks with the slower link (inter-node when N > 1): every ring step waits for the
+  transfers that cross nodes.
 * **Hierarchical** (2D): reduce-scatter inside the node (intra link, G ranks), an
   allreduce of each n/G shard across the N nodes (the G shards concurrently, sharing
   ``nics_per_node`` network cards, so the inter-node beta is multiplied by
@@ -203,6 +214,9 @@ def ring_reduce_scatter_time(nbytes, p, link):
 
 # ----------------------------------------------------------------------------- the cluster
 
+# How the MPI library's allreduce over all ranks crosses nodes (Cluster.flat; the module docstring).
+FLAT_ALGORITHMS = ("node-aware", "single-level")
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -225,6 +239,7 @@ class Cluster:
     cores_per_node: int = 0
     chunk_bytes: int = None   # None: the engine's default for this many nodes
     direct_bytes: int = DEFAULT_DIRECT_BYTES
+    flat: str = "node-aware"  # how the MPI library's own allreduce crosses nodes: FLAT_ALGORITHMS
 
     def __post_init__(self):
         if self.chunk_bytes is None:
@@ -232,6 +247,8 @@ class Cluster:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.nics_per_node < 1 or self.cores_per_node < 0:
             raise ValueError(f"a cluster needs nodes, ranks_per_node, nics_per_node >= 1 and cores_per_node >= 0: "
                              f"{self}")
+        if self.flat not in FLAT_ALGORITHMS:
+            raise ValueError(f"flat={self.flat!r}: expected one of {', '.join(FLAT_ALGORITHMS)}")
 
     @property
     def size(self):
@@ -246,12 +263,31 @@ class Cluster:
         return max(1.0, self.ranks_per_node / self.cores_per_node)
 
 
+def rooted_time(nbytes, p, link):
+    """A reduce to one rank, or a broadcast from one, of n bytes over p ranks: the cheaper of a
+    binomial tree, ``ceil(log2 p) (alpha + n beta)``, and scatter + ring, ``2 (p-1) alpha +
+    2 (p-1)/p n beta``.
+
+    Example: ``rooted_time(64 << 20, 8, PRESETS["nvlink"])``
+    """
+    if p <= 1:
+        return 0.0
+    return min(math.ceil(math.log2(p)) * link.time(nbytes), 2 * ring_reduce_scatter_time(nbytes, p, link))
+
+
 def flat_allreduce_time(nbytes, cluster):
-    """(seconds, algorithm) of one MPI allreduce over all ranks, paced by the slowest link.
+    """(seconds, algorithm) of one MPI allreduce over all ranks, as the MPI library runs it
+    (``cluster.flat``): node-aware (reduce in the node, allreduce among one rank per node,
+    broadcast in the node) or single-level (paced by the slowest link).
 
     Example: ``flat_allreduce_time(4 << 20, Cluster(2, 8, PRESETS["nvlink"], PRESETS["ib100"]))``
     """
-    link = cluster.inter if cluster.nodes > 1 else cluster.intra
+    g, n = cluster.ranks_per_node, cluster.nodes
+    if cluster.flat == "node-aware" and g > 1 and n > 1:
+        intra = cluster.intra.scaled(cluster.core_share)
+        across, algorithm = allreduce_time(nbytes, n, cluster.inter.scaled(cluster.core_share))
+        return 2 * rooted_time(nbytes, g, intra) + across, f"node-aware (reduce in node, {algorithm} across)"
+    link = cluster.inter if n > 1 else cluster.intra
     return allreduce_time(nbytes, cluster.size, link.scaled(cluster.core_share))
 
 
@@ -640,6 +676,10 @@ def _parse_args(argv):
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--nics-per-node", type=int, default=1,
                    help="network cards per node the hierarchical allreduce's cross-node shards share")
+    p.add_argument("--flat", choices=FLAT_ALGORITHMS, default="node-aware",
+                   help="how the MPI library's own allreduce crosses nodes: node-aware (Open MPI 5, MPICH: reduce "
+                        "in the node, one stream per node across, broadcast) or single-level (a ring or recursive "
+                        "doubling over all ranks, paced by the inter-node link)")
     p.add_argument("--cores-per-node", type=int, default=0,
                    help="CPU training: ranks beyond this many per node share cores (0: a GPU per rank)")
     p.add_argument("--overlap", type=float, default=None,
@@ -698,7 +738,7 @@ def main(argv=None):
     overlap = 1.0 if overlap is None else overlap
     rows = predict_scaling(work, sorted(set(args.nodes)), args.ranks_per_node, intra, inter, overlap,
                            args.grouping, nics_per_node=args.nics_per_node, cores_per_node=args.cores_per_node,
-                           chunk_bytes=args.chunk_bytes)
+                           chunk_bytes=args.chunk_bytes, flat=args.flat)
     if not printing:
         return 0
     print(f"model     : {work.source}: {len(work.sizes)} gradients, {work.total_bytes / MiB:.1f} MiB ({work.total_bytes} B)")
@@ -709,6 +749,7 @@ def main(argv=None):
     print(f"inter-node: {inter}, {args.nics_per_node} NIC(s) per node"
           + (f"; TF_MPI_INTER_NODE_LINK={inter_node_link_setting(inter)}" if inter is not args.inter_link else ""))
     chunks = "the engine's default" if args.chunk_bytes is None else f"{args.chunk_bytes} B"
+    print(f"MPI       : flat allreduce {args.flat} across nodes")
     print(f"engine    : chunks of {chunks}, grouping {args.grouping}"
           + (f", {args.cores_per_node} cores per node" if args.cores_per_node else ""))
     print(format_table(rows))
@@ -719,7 +760,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=work.source, step_ms=args.step_ms, backprop_ms=args.backprop_ms, overlap=overlap,
-                           intra=str(intra), inter=str(inter),
+                           intra=str(intra), inter=str(inter), flat=args.flat,
                            rows=[dict(r.__dict__, ranks=r.ranks) for r in rows]), f, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -8,6 +8,9 @@ hierarchical allreduce from 4 KiB up; every rank ends with the same figures, the
 the window those timings give, allreduces of 1 KiB-4 MiB go hierarchical exactly where the window
 says, on every rank, with right sums; with TF_MPI_INTER_NODE_LINK set there is neither probe nor
 timing, and the window is the model's with the user's figures.
+A second launch on the same layout has rank 3 stop responding inside that timing
+(TF_MPI_FAULT_STALL_STARTUP_TIMING): the MPI watchdog, armed around the start-up measurements, must
+end the job with its error within a bounded time.
 Plus, without MPI, the probe's arithmetic (tf_mpi._core.link_from_ping_pong) and how timings
 become a window (tf_mpi._core.hierarchical_window_from_timings).
 
@@ -139,3 +142,27 @@ def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
     given = ranks[0]["given"]["hierarchical"]
     assert given["inter_alpha_s"] == pytest.approx(7e-6) and given["inter_beta_s"] == pytest.approx(1 / 3.5e9)
     assert "from TF_MPI_INTER_NODE_LINK" in given["summary"]
+
+
+def test_a_rank_stuck_in_the_start_up_timing_ends_the_job_with_the_watchdogs_error():
+    """A peer that stops responding while init() times both paths (a frozen host, a cut link): the
+    others are inside MPI, where only the watchdog sees them; it covers the start-up measurements
+    as it covers collectives, so the job ends with its error instead of waiting."""
+    reason = cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    watchdog_s = 2
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_MPI_FAULT_STALL_STARTUP_TIMING": "3",
+           "TF_MPI_MPI_TIMEOUT_SECONDS": str(watchdog_s), "TF_MPI_MPI_TIMEOUT_MB_PER_S": "1000"}
+    program = "from tf_mpi.basics import _core; _core.init(); print('init returned on rank', _core.rank())"
+    with cluster.Cluster(hosts=2, slots=2, prefix=PREFIX, net=NET) as c:
+        argv = [sys.executable, "-m", "tf_mpi.run", "-np", "4", "--host", c.host_list(), "--",
+                sys.executable, "-c", program]
+        launch = {k: v for k, v in launch_env(env).items() if k not in ("TF_MPI_TOPOLOGY", "TF_MPI_INTER_NODE_LINK")}
+        rc, output, elapsed, timed_out = run_bounded(c.command(argv), 90, c.env(launch))
+    assert not timed_out, f"the job did not end within 90 s:\n{output[-3000:]}"
+    assert rc != 0 and "init returned" not in output, output[-3000:]
+    assert "start-up timing of the flat and hierarchical allreduce" in output and "inside MPI" in output, output[-3000:]
+    # The watchdog's limit (2 s + 64 MiB at 1000 MB/s), one check period, the abort and the
+    # launcher's exit after it, on top of start-up (processes, the probe).
+    assert elapsed < 45, (elapsed, output[-3000:])

@@ -141,6 +141,7 @@ Status Engine::Init(const InitOptions& opts) {
   try {
     return InitOnMpi(opts, settings);
   } catch (const PeerFailure& e) {
+    watchdog_.Stop();
     mpi_.Release();
     return Status::Unavailable(e.what());
   }
@@ -163,9 +164,17 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
     config_.tunables.chunk_bytes = kNetworkChunkBytes;  // the same on every rank: spans_hosts() is agreed
     tunables_ = config_.tunables;
   }
+  // The start-up measurements across hosts (the link probe, the timing of both allreduce paths)
+  // are MPI calls with peers on other hosts: a link cut or a peer frozen meanwhile would leave
+  // this rank inside MPI with nothing else watching, so the watchdog covers them as it covers
+  // collectives (watchdog.h), with their largest buffer as the batch's bytes.
+  watchdog_.Start(watchdog_settings_);
+  watchdog_.Begin("start-up probe of the inter-node link", 1, kLinkProbeLargeBytes);
   ApplyInterNodeProbe(&config_.hierarchical, mpi_);  // measured link for auto's model (link_probe.h)
+  watchdog_.End();
   hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_);
   if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {
+    watchdog_.Stop();
     mpi_.Release();
     return s;
   }
@@ -183,9 +192,12 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
   // mode: its re-inits follow failures, and a second of busy collectives on shared cores
   // can starve ULFM's heartbeat thread into declaring a live rank failed.
   if (!opts.process_set && !opts.elastic && WantsPathTimings(config_.hierarchical, mpi_, hierarchical_)) {
+    watchdog_.Begin("start-up timing of the flat and hierarchical allreduce", 1, kTimingLargestBytes);
     const PathTimings timed = TimeAllreducePaths(mpi_, protocol_->hierarchical_allreduce(), config_.tunables.chunk_bytes);
+    watchdog_.End();
     hierarchical_ = ChooseHierarchical(config_.hierarchical, mpi_, &timed);
     if (s = AgreeOnChoice(mpi_, hierarchical_); !s.ok()) {
+      watchdog_.Stop();
       protocol_.reset();
       mpi_.Release();
       return s;
@@ -198,7 +210,6 @@ Status Engine::InitOnMpi(InitOptions opts, const Status& settings) {
     else if (mpi_.cross_size() > 1 && hierarchical_.mode != HierarchicalMode::kOff) LogInfo(hierarchical_.summary);
   }
   protocol_->set_watchdog(&watchdog_);
-  watchdog_.Start(watchdog_settings_);
   if (!opts.elastic && config_.peer_timeout_s > 0 && mpi_.size() > 1) {
     if (MpiContext::ThreadMultiple()) {
       liveness_.Start(mpi_.liveness_comm(), mpi_.rank(), mpi_.size(), config_.peer_timeout_s, [this] {

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <thread>
 
+#include "common/env.h"
 #include "transports/collectives.h"
 
 namespace tfmpi {
@@ -16,6 +18,10 @@ int CallsFor(int64_t bytes) { return bytes <= (256 << 10) ? 7 : 3; }
 }  // namespace
 
 PathTimings TimeAllreducePaths(const MpiContext& mpi, HierarchicalAllreduce& hierarchical, int64_t chunk_bytes) {
+  // Test hook (TF_MPI_FAULT_STALL_STARTUP_TIMING=r): rank r stops responding here, as a host
+  // frozen or cut off during init() would; the others wait inside MPI until the watchdog, which
+  // the engine arms around this timing, ends the job (tests/test_hierarchical_auto.py).
+  if (EnvInt("TF_MPI_FAULT_STALL_STARTUP_TIMING", -1) == mpi.rank()) std::this_thread::sleep_for(std::chrono::hours(1));
   PathTimings t;
   const auto start = std::chrono::steady_clock::now();
   const Collectives flat(&mpi, chunk_bytes);

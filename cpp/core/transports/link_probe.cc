@@ -12,7 +12,7 @@ namespace tfmpi {
 namespace {
 
 constexpr int64_t kSmallBytes = 8;
-constexpr int64_t kLargeBytes = 128 << 10;  // past the eager limits, short at 1 Gb/s
+constexpr int64_t kLargeBytes = kLinkProbeLargeBytes;
 constexpr int kSmallTrips = 15, kLargeTrips = 9;
 
 double Median(std::vector<double> v) {

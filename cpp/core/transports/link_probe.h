@@ -27,6 +27,9 @@
 
 namespace tfmpi {
 
+// The probe's large message per rank: past the eager limits, short at 1 Gb/s.
+constexpr int64_t kLinkProbeLargeBytes = 128 << 10;
+
 struct LinkProbe {
   Link inter;              // what the model uses
   double intra_alpha_s = 0;  // one-way small-message time between local ranks 0 and 1; 0 with one rank per node

@@ -51,6 +51,8 @@ def init(comm=None, process_sets=None):
     """
     from tf_mpi import membership
     if comm is None and membership.enabled():
+        # A rank lost inside MPI_Init leaves the others there forever: end them after a time limit.
+        deadline = membership.Deadline(membership.start_timeout(), "the job did not start")
         try:
             _init(membership.start(), process_sets)  # elastic mode: a communicator whose ranks may change
         except membership.MembershipError:
@@ -58,7 +60,7 @@ def init(comm=None, process_sets=None):
             launcher.mark_worker_finished(ok=False, stage="start")  # the job cannot start: this rank failed
             raise
         finally:
-            membership.start_finished()
+            deadline.cancel()
         return
     _init(comm, process_sets)
 

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "start_finished", "start_timeout", "Deadline",
+__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "start_timeout", "Deadline",
            "comm", "spawned", "shrink", "grow",
            "undeclared_hosts", "request_relaunch",
            "finish", "Discovery"]
@@ -63,7 +63,6 @@ _hosts = []           # the host name of each rank of _comm, in rank order
 _discovery = None     # rank 0's Discovery thread
 _spawned = False      # this process was started by grow()
 _relaunch = False     # finish() asks the launcher to start the job again (request_relaunch)
-_start_deadline = None  # start()'s time limit, until start_finished()
 _RESTART_ATTEMPTS = 10  # duplicates tried while ranks are lost at start
 
 
@@ -115,9 +114,7 @@ def start():
 
         tf_mpi.init()    # in elastic mode: init(comm=membership.start())
     """
-    global _comm, _spawned, _start_deadline
-    if _start_deadline is None:  # ended by start_finished(), once tf_mpi.init() returns or raises
-        _start_deadline = Deadline(start_timeout(), "the job did not start")
+    global _comm, _spawned
     MPI = _mpi()
     parent = MPI.Comm.Get_parent()
     _spawned = parent != MPI.COMM_NULL
@@ -129,17 +126,6 @@ def start():
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     _comm = comm
     return comm
-
-
-def start_finished():
-    """Ends the time limit :func:`start` set (``tf_mpi.init()`` calls it when it returns or raises).
-
-    Example: ``membership.start(); ...; membership.start_finished()``
-    """
-    global _start_deadline
-    if _start_deadline is not None:
-        _start_deadline.cancel()
-        _start_deadline = None
 
 
 def start_timeout():

@@ -85,8 +85,11 @@ def _lose_a_host_and_get_it_back(c, out, listing, script):
                  "ELASTIC_STEP_SLEEP": "1.0"}
     both = "".join(f"{h}:{c.slots}\n" for h in c.hosts)
     listing.write_text(both)
+    # The other host's ranks start from a login's environment: the tf_mpi under test reaches them
+    # through PYTHONPATH only where it is forwarded (a source tree run with PYTHONPATH set).
+    forwarded = list(variables) + (["PYTHONPATH"] if os.environ.get("PYTHONPATH") else [])
     cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "4", "--min-np", "2", "--host-discovery-script", str(script),
-           *[a for name in variables for a in ("-x", name)], sys.executable, WORKER, tag]
+           *[a for name in forwarded for a in ("-x", name)], sys.executable, WORKER, tag]
     env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", **variables), clean_remote_env=True)
     proc = subprocess.Popen(c.command(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -51,7 +51,22 @@ def init(comm=None, process_sets=None):
     """
     from tf_mpi import membership
     if comm is None and membership.enabled():
-        comm = membership.start()  # elastic mode: a communicator whose ranks may change
+        # A rank lost inside MPI_Init leaves the others there forever: end them after a time limit.
+        deadline = membership.Deadline(membership.start_timeout(), "the job did not start")
+        try:
+            _init(membership.start(), process_sets)  # elastic mode: a communicator whose ranks may change
+        except membership.MembershipError:
+            from tf_mpi import run as launcher
+            launcher.mark_worker_finished(ok=False, stage="start")  # the job cannot start: this rank failed
+            raise
+        finally:
+            deadline.cancel()
+        return
+    _init(comm, process_sets)
+
+
+def _init(comm, process_sets):
+    from tf_mpi import membership
     if comm is None:
         _core.init()
     elif isinstance(comm, (list, tuple)):

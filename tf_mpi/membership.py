@@ -35,12 +35,17 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "comm", "spawned", "shrink", "grow",
+__all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "start_timeout", "Deadline",
+           "comm", "spawned", "shrink", "grow",
            "undeclared_hosts", "request_relaunch",
            "finish", "Discovery"]
 
 # How often rank 0 runs the discovery script (Horovod's driver checks about once a second).
 DISCOVERY_INTERVAL_S = float(os.environ.get("TF_MPI_ELASTIC_DISCOVERY_INTERVAL", "1"))
+# The longest a rank waits for the job to start (MPI_Init, the first communicator, the engine) or
+# for ranks it spawns to join (grow): a rank lost inside MPI_Init leaves the others waiting there
+# forever (Open MPI has no time limit on it), so they end instead (TF_MPI_ELASTIC_START_TIMEOUT_SECONDS).
+START_TIMEOUT_S = 120.0
 
 
 class MembershipError(RuntimeError):
@@ -58,6 +63,7 @@ _hosts = []           # the host name of each rank of _comm, in rank order
 _discovery = None     # rank 0's Discovery thread
 _spawned = False      # this process was started by grow()
 _relaunch = False     # finish() asks the launcher to start the job again (request_relaunch)
+_RESTART_ATTEMPTS = 10  # duplicates tried while ranks are lost at start
 
 
 def enabled():
@@ -122,17 +128,110 @@ def start():
     return comm
 
 
+def start_timeout():
+    """Seconds a rank waits for the job to start or for spawned ranks to join
+    (``TF_MPI_ELASTIC_START_TIMEOUT_SECONDS``, default 120; 0 or less: no limit).
+
+    Example: ``membership.start_timeout()  # 120.0``
+    """
+    value = os.environ.get("TF_MPI_ELASTIC_START_TIMEOUT_SECONDS", "")
+    try:
+        return float(value) if value else START_TIMEOUT_S
+    except ValueError:
+        return START_TIMEOUT_S
+
+
+class Deadline:
+    """Ends this process (exit status 1, marked failed for the launcher) unless cancelled within
+    ``seconds``: for waits inside MPI that no failure interrupts (a rank lost inside MPI_Init
+    leaves the others in it forever; a spawned rank lost before it joins leaves its parents in
+    MPI_Comm_spawn). ``seconds`` <= 0: no limit.
+
+    A small watcher process keeps the time (this one may hold Python's interpreter lock while it
+    waits in MPI: mpi4py starts MPI while it is imported), says why on stderr, leaves the mark and
+    kills this process. It ends when the deadline is cancelled or this process ends.
+
+    Example::
+
+        deadline = Deadline(120, "the spawned ranks did not join")
+        try:
+            inter = comm.Spawn(...)
+        finally:
+            deadline.cancel()
+    """
+
+    def __init__(self, seconds, what):
+        self._watcher = None
+        if seconds <= 0:
+            return
+        message = (f"[tf_mpi] elastic mode: {what} within {seconds:g} s (TF_MPI_ELASTIC_START_TIMEOUT_SECONDS): a "
+                   "rank was lost while MPI started it (Open MPI then waits for it forever), or a rank did not reach "
+                   "tf_mpi.init(); this rank ends (exit status 1)")
+        run_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")
+        self._watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, str(os.getpid()), str(seconds), message,
+                                          run_py], stdin=subprocess.PIPE)
+
+    def cancel(self):
+        watcher, self._watcher = self._watcher, None
+        if watcher is None:
+            return
+        try:
+            watcher.stdin.close()  # the watcher reads the end of its input and exits
+            watcher.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            watcher.kill()
+
+
+# The watcher of a Deadline: argv = pid, seconds, message, path of tf_mpi/run.py.
+_WATCHER = """
+import importlib.util, os, select, signal, sys
+pid, seconds, message, run_py = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+if select.select([sys.stdin], [], [], seconds)[0]:
+    sys.exit(0)  # cancelled, or the process ended
+sys.stderr.write(message + "\\n"); sys.stderr.flush()
+try:
+    spec = importlib.util.spec_from_file_location("tf_mpi_launcher", run_py)
+    launcher = importlib.util.module_from_spec(spec); spec.loader.exec_module(launcher)
+    launcher.mark_worker_finished(ok=False, stage="start", pid=pid)
+finally:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
 def _dup_of_survivors(MPI, world):
     """A duplicate of `world`, or of its surviving ranks where some died while the job started
-    (Open MPI 5.0.11 with ULFM's heartbeat thread now and then crashes a rank in MPI_Init)."""
+    (Open MPI 5.0.11 with ULFM's heartbeat thread now and then crashes a rank in MPI_Init).
+    Every rank gets the same: a rank lost during the duplicate can make it fail on some ranks
+    only, so the ranks agree on whether all have it. Raises MembershipError when fewer than
+    ``min_np()`` ranks remain."""
     world.Set_errhandler(MPI.ERRORS_RETURN)
-    for _ in range(5):
+    lost = False
+    for _ in range(_RESTART_ATTEMPTS):
+        dup = None
         try:
-            return world.Dup()
+            dup = world.Dup()
         except MPI.Exception:
-            world = world.Shrink()
-            world.Set_errhandler(MPI.ERRORS_RETURN)
-    return world.Dup()
+            pass
+        try:
+            everyone = world.Agree(1 if dup is not None else 0)
+        except MPI.Exception:  # a failure not acknowledged yet: the same on every rank
+            everyone = 0
+        if everyone:
+            return dup
+        lost = True
+        try:
+            world.Revoke()
+        except MPI.Exception:
+            pass  # revoked already (by a peer)
+        world = world.Shrink()
+        world.Set_errhandler(MPI.ERRORS_RETURN)
+        if world.Get_size() < min_np():
+            raise MembershipError(
+                f"tf_mpi: {world.Get_size()} rank(s) remain after losing rank(s) while the job started, fewer than "
+                f"the minimum of {min_np()} (--min-np): the job ends")
+    raise MembershipError(f"tf_mpi: ranks kept failing while the job started ({_RESTART_ATTEMPTS} attempts"
+                          f"{', ranks were lost' if lost else ''}): the job ends")
+
 
 
 def spawned():
@@ -260,10 +359,16 @@ def grow(hosts):
     for key, value in launcher.elastic_spawn_info(",".join(f"{h}:{n}" for h, n in counts.items())):
         info.Set(key, value)
     command, args = launcher.elastic_spawn_command(sys.argv)
-    inter = _comm.Spawn(command, args=args, maxprocs=len(hosts), info=info, root=0)
-    info.Free()
-    inter.Set_errhandler(MPI.ERRORS_RETURN)
-    merged = inter.Merge(high=False)
+    # A spawned rank lost before it joins (e.g. inside its MPI_Init) can leave this one in the
+    # spawn forever: end instead, after the start-up time limit.
+    deadline = Deadline(start_timeout(), f"the {len(hosts)} rank(s) spawned to grow the job did not join")
+    try:
+        inter = _comm.Spawn(command, args=args, maxprocs=len(hosts), info=info, root=0)
+        info.Free()
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = inter.Merge(high=False)
+    finally:
+        deadline.cancel()
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     _comm = merged
     return _comm

@@ -696,7 +696,7 @@ def _without_host_options(options):
     return out
 
 
-def mark_worker_finished(ok=True, rank=None, size=None, relaunch=False):
+def mark_worker_finished(ok=True, rank=None, size=None, relaunch=False, stage=None, pid=None):
     """Tells ``python -m tf_mpi.run`` (elastic mode) that this rank has completed the run: ``ok``
     False where it ends on an error; ``rank`` and ``size`` its place in the final communicator
     (they let the launcher see that the whole final group is done). Does nothing (returns None)
@@ -705,7 +705,9 @@ def mark_worker_finished(ok=True, rank=None, size=None, relaunch=False):
     prints the mark on stdout for the launcher instead. Calling it again replaces the mark. It does
     not import TensorFlow or MPI. ``relaunch=True``: the rank ends before the training is done so
     that the launcher starts the job again on the hosts the discovery script lists (hosts this job
-    could not start ranks on); the new job resumes from the last commit.
+    could not start ranks on); the new job resumes from the last commit. ``stage="start"``: the rank
+    ends because the job did not start in time (``tf_mpi.membership.Deadline``, which marks the rank
+    it watches: ``pid``, default this process).
 
     Example (a worker's last lines)::
 
@@ -721,9 +723,11 @@ def mark_worker_finished(ok=True, rank=None, size=None, relaunch=False):
     if not where:
         return None
     record = {"ok": bool(ok), "rank": rank, "size": size, "host": socket.gethostname(),
-              "pid": os.getpid(), "time": time.time()}
+              "pid": pid or os.getpid(), "time": time.time()}
     if relaunch:
         record["relaunch"] = True
+    if stage:
+        record["stage"] = stage
     if os.path.isdir(where):
         path = os.path.join(where, f"{record['host']}.{record['pid']}.json")
         tmp = path + ".tmp"

@@ -13,6 +13,12 @@ mode). The scenario comes from the environment:
                     then lists more slots) and waits until its discovery has seen them
   ELASTIC_STEPS     total optimizer steps
   ELASTIC_OUT       directory for rank 0's result.json and the failing ranks' kill times
+  ELASTIC_START_CRASH "R@WHERE": the rank started as world rank R crashes (SIGSEGV, as Open MPI's
+                    start-up crash does) while the job starts, once: WHERE is before-init (before
+                    hvd.init(), MPI not started yet), mpi-init (MPI started, the other ranks inside
+                    their first collective: elastic mode's duplicate of MPI_COMM_WORLD), engine-init
+                    (the other ranks inside the engine's start-up collectives) or after-init (right
+                    after hvd.init())
   ELASTIC_STEP_SLEEP  seconds each rank sleeps after each step (tape mode; default 0), and rank 0
                     writes ELASTIC_OUT/progress.json ({"step", "size"}) after each commit: lets a
                     test act while the job trains (tests/test_elastic_hosts.py kills a host)
@@ -95,8 +101,63 @@ def replay(sizes):
     return weights_vector(model)
 
 
+START_CRASH_POINTS = ("before-init", "mpi-init", "engine-init", "after-init")
+
+
+def arm_start_crash():
+    """ELASTIC_START_CRASH: makes this process crash with SIGSEGV at a point of the job's start-up
+    (test-only fault injection, standing for Open MPI's crash of a rank inside MPI_Init).
+
+    Returns the point where this process crashes (None: it does not). The rank is the launch's
+    world rank (OMPI_COMM_WORLD_RANK, known before MPI starts); a process spawned later to grow the
+    job is never the one (the crash is marked in ELASTIC_OUT, once)."""
+    spec = os.environ.get("ELASTIC_START_CRASH", "")
+    if not spec:
+        return None
+    who, _, where = spec.partition("@")
+    assert where in START_CRASH_POINTS, spec
+    out = os.environ["ELASTIC_OUT"]
+    if os.environ.get("OMPI_COMM_WORLD_RANK") != who or os.path.exists(os.path.join(out, "start_crash.json")):
+        return None
+    if where == "mpi-init":
+        # Right after MPI_Init, before this rank joins the first collective the others are in.
+        original = membership._dup_of_survivors
+
+        def dup_of_survivors(MPI, world):
+            crash(where, delay=1.0)
+            return original(MPI, world)
+        membership._dup_of_survivors = dup_of_survivors
+    elif where == "engine-init":
+        # Once elastic mode's communicator exists, before the engine starts on it: the others are
+        # in the engine's start-up collectives by then.
+        original_start = membership.start
+
+        def start():
+            comm = original_start()
+            crash(where, delay=1.0)
+            return comm
+        membership.start = start
+    return where
+
+
+def crash(where, delay=0.0):
+    out = os.environ["ELASTIC_OUT"]
+    with open(os.path.join(out, "start_crash.json"), "w") as f:
+        json.dump({"time": time.time(), "where": where, "pid": os.getpid()}, f)
+    time.sleep(delay)  # the other ranks are inside the collective by then
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)
+
+
 def main():
+    start_crash = arm_start_crash()
+    if start_crash == "before-init":
+        crash(start_crash)
     hvd.init()
+    if start_crash == "after-init":
+        crash(start_crash)
     out = os.environ["ELASTIC_OUT"]
     mode = os.environ.get("ELASTIC_MODE", "tape")
     steps = int(os.environ.get("ELASTIC_STEPS", "12"))

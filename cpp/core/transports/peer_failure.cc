@@ -19,9 +19,14 @@ namespace {
 #if defined(MPIX_ERR_REVOKED) && defined(OMPI_HAVE_MPI_EXT_FTMPI)
 constexpr bool kHaveUlfm = true;
 int Revoke(MPI_Comm comm) { return MPIX_Comm_revoke(comm); }
+int Agree(MPI_Comm comm, int* flag) { return MPIX_Comm_agree(comm, flag); }
 #else
 constexpr bool kHaveUlfm = false;
 int Revoke(MPI_Comm) { return MPI_ERR_OTHER; }
+int Agree(MPI_Comm comm, int* flag) {
+  int mine = *flag;
+  return MPI_Allreduce(&mine, flag, 1, MPI_INT, MPI_BAND, comm);
+}
 #endif
 
 // The registry: the engine communicators to revoke, and the first failure
@@ -93,6 +98,8 @@ bool WatchingPeerFailures() {
 }
 
 void RaisePeerFailure(const std::string& why) { Throw(why); }
+
+int AgreeFlag(MPI_Comm comm, int* flag) { return Agree(comm, flag); }
 
 void RevokeEngineCommunicators(const std::string& why) {
   LogError("revoking the engine's communicators: " + why);

@@ -62,6 +62,13 @@ bool WatchingPeerFailures();
 // stuck call returns MPI_ERR_REVOKED here and on every rank.
 void RevokeEngineCommunicators(const std::string& why);
 
+// ULFM's fault-tolerant agreement (MPIX_Comm_agree) on `comm`: *flag becomes
+// the AND of the surviving ranks' flags, the same on every one of them, even
+// when ranks fail meanwhile. Returns the MPI error code (MPI_ERR_PROC_FAILED
+// where a failure was not acknowledged yet; where ULFM is missing, the
+// result of a plain MPI_Allreduce). `comm` should return errors.
+int AgreeFlag(MPI_Comm comm, int* flag);
+
 // The first failure this process has seen since the last Reset (empty if none).
 std::string FirstPeerFailure();
 void ResetPeerFailures();

@@ -105,8 +105,10 @@ if SCENARIO == "engine":
         # batch holding a 1 MiB allreduce. It must leave it to the engine thread.
         n = _core.size()
 
-        def loop(tag, count, elems, rnd):
+        def loop(tag, count, elems, rnd, stagger=0.0):
             for i in range(count):
+                if stagger and _core.rank() != 0:
+                    time.sleep(stagger)
                 y = _core.allreduce(np.full(elems, _core.rank() + 1, np.float32), SUM, f"{tag}.{rnd}.{i}")
                 assert y.shape == (elems,) and np.all(y == n * (n + 1) / 2), (tag, i)
 
@@ -121,9 +123,11 @@ if SCENARIO == "engine":
             # Alone, a caller drives its own small batches (nothing else of its rank is in flight),
             # unless the engine thread holds the turn at that moment: up to 10 rounds of 20, every
             # rank going on until all have driven one (the ranks agree after each round, so all
-            # make the same calls).
+            # make the same calls). The other ranks call 5 ms after rank 0, so that rank 0's
+            # engine thread, the coordinator's, is not busy with their announcements when its
+            # caller asks for the turn (under load it otherwise held it for all 200 calls).
             for solo in range(10):
-                loop("solo", 20, 256, solo)
+                loop("solo", 20, 256, solo, stagger=0.005)
                 mine = np.array([1.0 if _core.stats()["inline_batches"] > 0 else 0.0], np.float32)
                 if _core.allreduce(mine, SUM, f"solo.agree.{solo}")[0] == n:
                     break

@@ -58,11 +58,15 @@ SCENARIOS = {
     "test_rank_lost_in_the_engines_start_below_min_np_ends_the_job": (
         "start-below-min", 2, 2, None, {"ELASTIC_MODE": "tape", "ELASTIC_START_CRASH": "1@engine-init",
                                         "ELASTIC_STEPS": "6"}, None),
-    "test_rank_lost_before_mpi_init_ends_the_job_in_bounded_time": (
+    "test_rank_lost_before_mpi_init_ends_the_start_in_bounded_time_and_the_job_starts_again": (
         "start-before-mpi", 2, 2, None, {"ELASTIC_MODE": "tape", "ELASTIC_START_CRASH": "1@before-init",
                                          "ELASTIC_STEPS": "6", "TF_MPI_ELASTIC_START_TIMEOUT_SECONDS": str(START_TIMEOUT_S)},
         None),
 }
+
+
+# Launcher options of a scenario beyond the sizes: the start that fails ends the job (no relaunch).
+LAUNCHER_ARGS = {"start-below-min": ["--max-restarts", "0"]}
 
 
 def prefetch(items):
@@ -110,6 +114,7 @@ def _launch_once(name, np, min_np, max_np, env, discovery):
     cmd = [sys.executable, "-m", "tf_mpi.run", "-np", str(np), "--min-np", str(min_np)]
     if max_np is not None:
         cmd += ["--max-np", str(max_np)]
+    cmd += LAUNCHER_ARGS.get(name, [])
     if discovery is not None:
         script = os.path.join(out, "discover.sh")
         with open(script, "w") as f:
@@ -230,8 +235,9 @@ def test_rank_lost_at_start_the_others_carry_on():
 
 
 def test_rank_lost_in_the_engines_start_below_min_np_ends_the_job():
-    """np=2, --min-np 2: rank 1 crashes while rank 0 is inside the engine's start-up collectives:
-    rank 0 ends with MembershipError (not an error about its settings, not a hang), exit status 1."""
+    """np=2, --min-np 2, --max-restarts 0: rank 1 crashes while rank 0 is inside the engine's
+    start-up collectives: rank 0 ends with MembershipError (not an error about its settings, not a
+    hang), exit status 1, and the launcher, allowed no restart, does not start the job again."""
     rc, output, out, left = scenario("test_rank_lost_in_the_engines_start_below_min_np_ends_the_job")
     assert rc == 1, output[-6000:]
     assert left == [], left
@@ -239,17 +245,23 @@ def test_rank_lost_in_the_engines_start_below_min_np_ends_the_job():
     assert "MembershipError" in output and "fewer than the minimum of 2 (--min-np)" in output, output[-6000:]
     assert "TF_MPI_TOPOLOGY" not in output, output[-6000:]
     assert "1 rank(s) marked a failure" in output, output[-6000:]
+    assert "the job did not start: relaunch" not in output, output[-6000:]
     assert not os.path.exists(os.path.join(out, "result.json"))
 
 
-def test_rank_lost_before_mpi_init_ends_the_job_in_bounded_time():
-    """np=2: rank 1 crashes before MPI_Init; Open MPI keeps rank 0 inside MPI_Init waiting for it
-    forever. Rank 0 ends after the start-up time limit, saying why; the launcher exits 1."""
-    rc, output, out, left = scenario("test_rank_lost_before_mpi_init_ends_the_job_in_bounded_time")
-    assert rc == 1, output[-6000:]
+def test_rank_lost_before_mpi_init_ends_the_start_in_bounded_time_and_the_job_starts_again():
+    """np=2: rank 1 crashes before MPI_Init (once); Open MPI keeps rank 0 inside MPI_Init waiting
+    for it forever. Rank 0 ends after the start-up time limit, saying why, and marks a failed
+    start; the launcher starts the job again, which trains the whole schedule on 2 ranks."""
+    rc, output, out, left = scenario(
+        "test_rank_lost_before_mpi_init_ends_the_start_in_bounded_time_and_the_job_starts_again")
     assert left == [], left
     assert _start_crash(out)["where"] == "before-init"
     assert f"the job did not start within {START_TIMEOUT_S} s (TF_MPI_ELASTIC_START_TIMEOUT_SECONDS)" in output, \
         output[-6000:]
     assert "1 rank(s) marked a failure" in output, output[-6000:]
-    assert not os.path.exists(os.path.join(out, "result.json"))
+    assert "tf_mpi.run: the job did not start: relaunch 1 of 3" in output, output[-6000:]
+    assert rc == 0, output[-6000:]
+    r = result(out, output)
+    assert_trained_like_replay(r)
+    assert r["size"] == 2 and r["sizes"] == [2] * 6, r["sizes"]

@@ -96,6 +96,11 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   this one, a fresh directory beside the status directory, removed at the end. After a relaunch
   rank 0 runs on the first host left: where that can be another host than this one, ``DIR`` must
   be on a file system every host shares. Either new flag turns elastic mode on.
+- Relaunching after a failed start: when the exit status above is not 0 and the only marks are
+  failures at the start (a rank lost while MPI or the engine started it, which Open MPI 5.0.11 now
+  and then causes by crashing a rank inside ``MPI_Init``; the start-up time limit,
+  ``TF_MPI_ELASTIC_START_TIMEOUT_SECONDS``), the launcher starts ``mpirun`` again as it was; these
+  relaunches count against ``--max-restarts`` too.
 - Relaunching to take in more hosts: ranks can be spawned only onto hosts ``mpirun`` was given at
   launch. When the discovery script lists a host beyond those while the job is below
   ``--max-np``, ``hvd.elastic``'s ranks end at the next commit (marking themselves finished with
@@ -826,12 +831,23 @@ def elastic_verdict(marks, min_np, mpirun_rc):
     return 1, f"only {len(done)} rank(s) marked themselves finished, fewer than min-np {min_np}"
 
 
-def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, relaunch=None):
+def failed_at_start(marks):
+    """Whether an elastic job's marks say that it failed while it started: some rank marked a
+    failure at the start (``stage="start"``: a rank lost while MPI or the engine started, the
+    start-up time limit) and no rank marked anything else.
+
+    Example: ``failed_at_start([{"ok": False, "stage": "start"}])`` is True
+    """
+    return bool(marks) and all(not m.get("ok") and m.get("stage") == "start" for m in marks)
+
+
+def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, relaunch=None, not_started=None):
     """Runs an elastic job's mpirun ``argv`` and returns the exit status the marks give
     (:func:`elastic_verdict`), passing mpirun's output through (less printed marks). Where
     ``mpirun`` reported a lost host, appends the host's name (None if not named) to ``lost_hosts``
     (a list); where the job succeeded and its ranks asked to be started again
-    (``mark_worker_finished(relaunch=True)``), appends True to ``relaunch`` (a list)."""
+    (``mark_worker_finished(relaunch=True)``), appends True to ``relaunch`` (a list); where it
+    failed before it started (:func:`failed_at_start`), appends True to ``not_started``."""
     grace_s = float(env.get("TF_MPI_ELASTIC_EXIT_GRACE_S", ELASTIC_EXIT_GRACE_S) if grace_s is None else grace_s)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     printed, said = [], {1: [], 2: []}   # mpirun's output from a lost-host report on, per stream
@@ -893,6 +909,8 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, re
     status, why = elastic_verdict(marks, min_np, rc)
     if status == 0 and any(m.get("relaunch") for m in marks) and relaunch is not None:
         relaunch.append(True)
+    if status != 0 and failed_at_start(marks) and not_started is not None:
+        not_started.append(True)
     if lost.is_set():
         why += "; mpirun lost a host, which ends an Open MPI job (see its message above)"
         if lost_hosts is not None:
@@ -965,8 +983,9 @@ def _main_elastic(settings, argv):
             except RuntimeError as e:
                 sys.stderr.write(f"tf_mpi.run: {e}\n")
                 return 2 if restart == 0 else 1
-            lost, grow = [], []
-            status = run_elastic(cmd, env, settings["min_np"], status_dir, lost_hosts=lost, relaunch=grow)
+            lost, grow, not_started = [], [], []
+            status = run_elastic(cmd, env, settings["min_np"], status_dir, lost_hosts=lost, relaunch=grow,
+                                 not_started=not_started)
             if status == 0 and grow and settings["discovery"]:
                 # The ranks ended at a commit because the discovery script lists hosts this job
                 # could not start ranks on (Open MPI spawns only onto hosts given at launch):
@@ -980,6 +999,14 @@ def _main_elastic(settings, argv):
                 options = _without_host_options(options) + ["--host", ",".join(f"{h}:{n}" for h, n in hosts)]
                 sys.stderr.write(f"tf_mpi.run: the discovery script lists more hosts: relaunch with {np} rank(s) "
                                  f"on {','.join(h for h, _ in hosts)}, resuming from {checkpoint_dir}\n")
+                continue
+            if status != 0 and not_started and not lost and restart < max_restarts:
+                # A rank was lost while the job started (Open MPI now and then crashes one inside
+                # MPI_Init): nothing trained, or nothing since the last commit; start it again as
+                # it was.
+                sys.stderr.write(f"tf_mpi.run: the job did not start: relaunch {restart + 1} of {max_restarts}"
+                                 f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
+                restart += 1
                 continue
             if status == 0 or not lost or restart == max_restarts:
                 return status

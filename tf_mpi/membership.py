@@ -219,16 +219,7 @@ def _dup_of_survivors(MPI, world):
         if everyone:
             return dup
         lost = True
-        try:
-            world.Revoke()
-        except MPI.Exception:
-            pass  # revoked already (by a peer)
-        world = world.Shrink()
-        world.Set_errhandler(MPI.ERRORS_RETURN)
-        if world.Get_size() < min_np():
-            raise MembershipError(
-                f"tf_mpi: {world.Get_size()} rank(s) remain after losing rank(s) while the job started, fewer than "
-                f"the minimum of {min_np()} (--min-np): the job ends")
+        world = _survivors(MPI, world, "while the job started")
     raise MembershipError(f"tf_mpi: ranks kept failing while the job started ({_RESTART_ATTEMPTS} attempts"
                           f"{', ranks were lost' if lost else ''}): the job ends")
 
@@ -314,19 +305,24 @@ def shrink():
         comm = membership.shrink()      # then tf_mpi.init(comm=comm)
     """
     global _comm
-    MPI = _mpi()
-    old = _comm
+    _comm = _survivors(_mpi(), _comm)
+    return _comm
+
+
+def _survivors(MPI, comm, when=""):
+    """`comm` revoked (so that every rank still in it stops waiting on it) and shrunk to the ranks
+    that remain; MembershipError when fewer than ``min_np()`` remain (`when`: for the message)."""
     try:
-        old.Revoke()
+        comm.Revoke()
     except MPI.Exception:
         pass  # revoked already (by a peer)
-    _comm = old.Shrink()
-    _comm.Set_errhandler(MPI.ERRORS_RETURN)
-    if _comm.Get_size() < min_np():
+    left = comm.Shrink()
+    left.Set_errhandler(MPI.ERRORS_RETURN)
+    if left.Get_size() < min_np():
         raise MembershipError(
-            f"tf_mpi: {_comm.Get_size()} rank(s) remain after losing rank(s), fewer than the minimum of "
-            f"{min_np()} (--min-np): the job ends")
-    return _comm
+            f"tf_mpi: {left.Get_size()} rank(s) remain after losing rank(s){' ' + when if when else ''}, fewer than "
+            f"the minimum of {min_np()} (--min-np): the job ends")
+    return left
 
 
 def pending_hosts():

@@ -99,8 +99,9 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
 - Relaunching after a failed start: when the exit status above is not 0 and the only marks are
   failures at the start (a rank lost while MPI or the engine started it, which Open MPI 5.0.11 now
   and then causes by crashing a rank inside ``MPI_Init``; the start-up time limit,
-  ``TF_MPI_ELASTIC_START_TIMEOUT_SECONDS``), the launcher starts ``mpirun`` again as it was; these
-  relaunches count against ``--max-restarts`` too.
+  ``TF_MPI_ELASTIC_START_TIMEOUT_SECONDS``), the launcher starts ``mpirun`` again as it was, once
+  per launch (a program that fails before ``hvd.init()`` every time is not retried further); it
+  counts against ``--max-restarts`` too.
 - Relaunching to take in more hosts: ranks can be spawned only onto hosts ``mpirun`` was given at
   launch. When the discovery script lists a host beyond those while the job is below
   ``--max-np``, ``hvd.elastic``'s ranks end at the next commit (marking themselves finished with
@@ -965,6 +966,7 @@ def _main_elastic(settings, argv):
     checkpoint_dir = settings.pop("checkpoint_dir", None) or os.environ.get("TF_MPI_ELASTIC_CHECKPOINT_DIR")
     made = []   # directories this launcher made (removed at the end)
     restart = 0
+    start_relaunched = False
     try:
         while True:
             status_dir = tempfile.mkdtemp(prefix="tf_mpi_elastic_")
@@ -1000,12 +1002,15 @@ def _main_elastic(settings, argv):
                 sys.stderr.write(f"tf_mpi.run: the discovery script lists more hosts: relaunch with {np} rank(s) "
                                  f"on {','.join(h for h, _ in hosts)}, resuming from {checkpoint_dir}\n")
                 continue
-            if status != 0 and not_started and not lost and restart < max_restarts:
+            if status != 0 and not_started and not lost and restart < max_restarts and not start_relaunched:
                 # A rank was lost while the job started (Open MPI now and then crashes one inside
                 # MPI_Init): nothing trained, or nothing since the last commit; start it again as
-                # it was.
-                sys.stderr.write(f"tf_mpi.run: the job did not start: relaunch {restart + 1} of {max_restarts}"
+                # it was, once: a program that fails before hvd.init() on some rank every time
+                # would otherwise cost --max-restarts start-up time limits before its exit status.
+                sys.stderr.write(f"tf_mpi.run: the job did not start: relaunch {restart + 1} of {max_restarts} "
+                                 f"(once for a failed start)"
                                  f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
+                start_relaunched = True
                 restart += 1
                 continue
             if status == 0 or not lost or restart == max_restarts:

@@ -11,6 +11,11 @@ relaunched 2 ranks train; the host is listed again; the job ends at a commit and
 hosts finish. Rank 0 checks the weights against a one-process replay of the committed schedule.
 (Which hosts a relaunch uses when the script still lists the lost host: tests/test_elastic_launch.py,
 with a stand-in mpirun.)
+
+A second launch starts 2 ranks on the first host while the script lists both hosts with 2 slots
+each: the second host was given to mpirun but runs no rank, so ranks are not spawned there (Open
+MPI's daemon crashed serving such spawns); the job ends at its first commit and the launcher
+starts it again with 4 ranks on both hosts, which finish with the replay's weights.
 """
 import json
 import os
@@ -37,16 +42,20 @@ LAUNCH_TIMEOUT = 420   # two TensorFlow start-ups on a loaded 2-core machine, an
 
 
 def prefetch(items):
-    """Starts the scenario in the background as the session starts (tests/conftest.py), in a
-    thread of its own: it spends most of its time waiting for steps, relaunches and the
+    """Starts the scenarios in the background as the session starts (tests/conftest.py), in a
+    thread of their own: they spend most of their time waiting for steps, relaunches and the
     detector, not computing."""
     if mpi_harness.selected_tests(items):
-        mpi_harness.start_waiting(_scenario)
+        mpi_harness.start_waiting(_scenarios)
 
 
-def scenario():
-    """The scenario's outcome (run once per session; see _scenario)."""
-    outcome = mpi_harness.shared_run(_scenario)
+def _scenarios():
+    return {"lost": _scenario(), "empty": _growth_onto_a_host_without_ranks()}
+
+
+def scenario(name="lost"):
+    """A scenario's outcome (both run once per session; see _scenario, _growth_onto_a_host_without_ranks)."""
+    outcome = mpi_harness.shared_run(_scenarios)[name]
     if "skip" in outcome:
         pytest.skip(outcome["skip"])
     return outcome
@@ -173,6 +182,55 @@ def _scenario():
         time.sleep(1)
         left = {h: c.pids(h) for h in c.hosts if c.pids(h)}
         return {"rc": rc, "output": output, "result": result, "hosts": list(c.hosts), "left": left}
+
+
+def _growth_onto_a_host_without_ranks():
+    """2 ranks on the first of 2 pretend hosts x 2 slots, the script listing both: returns the
+    launcher's exit status and output, rank 0's result.json and what is left in the hosts."""
+    reason = unavailable_reason()
+    if reason:
+        return {"skip": reason}
+    with Cluster(hosts=2, slots=2, prefix="rg", net=23) as c, tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "hosts.sh")
+        with open(script, "w") as f:
+            f.write("#!/bin/sh\n" + "".join(f"echo {h}:{c.slots}\n" for h in c.hosts))
+        os.chmod(script, 0o755)
+        out = tempfile.mkdtemp(prefix="tfmpi-elastic-empty-host-")
+        tag = f"elastic-empty-host-{uuid.uuid4().hex}"
+        variables = {"ELASTIC_OUT": out, "ELASTIC_MODE": "tape", "ELASTIC_STEPS": "8"}
+        forwarded = list(variables) + (["PYTHONPATH"] if os.environ.get("PYTHONPATH") else [])
+        cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "2", "--min-np", "2", "--max-np", "4",
+               "--host-discovery-script", script, *[a for name in forwarded for a in ("-x", name)],
+               sys.executable, WORKER, tag]
+        env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", **variables), clean_remote_env=True)
+        rc, output, _ = mpi_harness.run_bounded_retrying(c.command(cmd), LAUNCH_TIMEOUT, env,
+                                                         "growth onto a host without ranks")
+        result = _result(out)
+        shutil.rmtree(out, ignore_errors=True)
+        time.sleep(1)
+        left = {h: c.pids(h) for h in c.hosts if c.pids(h)}
+        return {"rc": rc, "output": output, "result": result, "hosts": list(c.hosts), "left": left}
+
+
+def test_a_listed_host_without_ranks_joins_by_a_relaunch_not_a_spawn():
+    """The second host is given to mpirun (the script lists it at launch) but runs none of the 2
+    ranks: no rank is spawned there; the job ends at its first commit and the launcher starts it
+    again with 4 ranks on both hosts, resuming from that commit."""
+    s = scenario("empty")
+    output = s["output"]
+    assert s["rc"] == 0, output[-8000:]
+    h1, h2 = s["hosts"]
+    assert f"host {h2} (host discovery) runs no rank of this job" in output, output[-8000:]
+    assert f"tf_mpi.run: the discovery script lists more hosts: relaunch with 4 rank(s) on {h1},{h2}" in output, \
+        output[-8000:]
+    assert "relaunch 1 of" not in output, output[-8000:]   # not a restart after a failure
+    r = s["result"]
+    assert r is not None, output[-8000:]
+    assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
+    sizes = r["sizes"]
+    assert len(sizes) == 8 and r["size"] == 4 and sizes[0] == 2 and sizes[-1] == 4, sizes
+    assert set(sizes) == {2, 4} and sizes == sorted(sizes), sizes
+    assert s["left"] == {}, s["left"]
 
 
 def test_lost_host_relaunch_then_growth_when_it_returns():

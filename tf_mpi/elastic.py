@@ -140,10 +140,11 @@ class State:
         found = relaunch_for = None
         if basics.rank() == 0:
             found = membership.pending_hosts()
-            # Hosts Open MPI cannot spawn onto (not given at launch): the launcher starts the job
-            # again with them, resuming from the commit just persisted; only where there is one.
+            # Hosts ranks are not spawned onto (not given at launch, or running no rank of the
+            # job: membership.hosts_to_relaunch_with): the launcher starts the job again with them,
+            # resuming from the commit just persisted; only where there is one.
             if not found and _checkpoint_path() is not None:
-                relaunch_for = membership.undeclared_hosts()
+                relaunch_for = membership.hosts_to_relaunch_with()
         found, relaunch_for = broadcast_object((found, relaunch_for), root_rank=0, name="tfmpi.elastic.host_updates")
         if found:
             _pending_hosts = list(found)

@@ -37,7 +37,7 @@ import threading
 
 __all__ = ["MembershipError", "enabled", "min_np", "max_np", "start", "start_timeout", "Deadline",
            "comm", "spawned", "shrink", "grow",
-           "undeclared_hosts", "request_relaunch",
+           "hosts_to_relaunch_with", "request_relaunch",
            "finish", "Discovery"]
 
 # How often rank 0 runs the discovery script (Horovod's driver checks about once a second).
@@ -241,14 +241,16 @@ def comm():
     return _comm
 
 
-def undeclared_hosts():
-    """Rank 0: hosts the discovery script lists that were not given to ``mpirun`` at launch, while
-    the job is below ``--max-np`` (ranks cannot be spawned there; the launcher can start the job
-    again with them). Other ranks, and jobs without a discovery script: ``[]``.
+def hosts_to_relaunch_with():
+    """Rank 0: hosts with free slots the discovery script lists that ranks are not spawned onto,
+    while the job is below ``--max-np``: hosts not given to ``mpirun`` at launch (Open MPI cannot
+    spawn there) and given hosts where no rank of the job runs (Open MPI 5.0.11's daemon crashed
+    serving such spawns); the launcher can start the job again with them. Other ranks, and jobs
+    without a discovery script: ``[]``.
 
-    Example: ``if membership.undeclared_hosts(): ...``
+    Example: ``if membership.hosts_to_relaunch_with(): ...``
     """
-    return _discovery.undeclared_hosts() if _discovery is not None else []
+    return _discovery.hosts_to_relaunch_with() if _discovery is not None else []
 
 
 def request_relaunch():
@@ -418,7 +420,7 @@ class Discovery(threading.Thread):
             used[h] = used.get(h, 0) + 1
         out = []
         for host, slots in listed.items():
-            if not self._declared(host):
+            if not self._declared(host) or not self._running(host):
                 continue
             out += [host] * max(0, slots - used.get(host, 0))
         if self.max_np is not None:
@@ -427,12 +429,29 @@ class Discovery(threading.Thread):
             out = []
         return out
 
-    def undeclared_hosts(self):
+    def hosts_to_relaunch_with(self):
         with self._lock:
             listed = dict(self._listed)
         if self.max_np is None or len(self.current) >= self.max_np:
             return []
-        return [h for h, slots in listed.items() if slots > 0 and not self._declared(h, warn=False)]
+        return [h for h, slots in listed.items()
+                if slots > 0 and not (self._declared(h, warn=False) and self._running(h, warn=False))]
+
+    def _running(self, host, warn=True):
+        """Whether a rank of the job runs on `host`. Ranks are spawned only onto such hosts: onto a
+        host given at launch that has none (never had, or lost them all), Open MPI 5.0.11's
+        daemon crashed serving the spawn in 3 of 10 tries (a PMIx unpack error, then a malloc
+        assertion: the whole job ends), and 3 of 4 after a failure; such a host joins when the
+        launcher starts the job again."""
+        if host in self.current:
+            return True
+        if warn and host not in self._warned:
+            self._warned.add(host)
+            sys.stderr.write(f"[tf_mpi] host {host} (host discovery) runs no rank of this job: ranks are not spawned "
+                             "there (Open MPI's daemon can crash serving it; hvd.elastic ends the job at its next "
+                             "commit for the launcher to start it again with that host, when a checkpoint directory "
+                             "is set)\n")
+        return False
 
     def _declared(self, host, warn=True):
         """Whether Open MPI was given `host` at launch (TF_MPI_ELASTIC_HOSTS; empty: the job's own

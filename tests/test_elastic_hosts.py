@@ -149,6 +149,25 @@ def _lose_a_host_and_get_it_back(c, out, listing, script):
     return rc, output, recovery, False
 
 
+def _discovery_script(tmp, body):
+    """An executable discovery script in `tmp` running the shell lines `body`."""
+    script = os.path.join(tmp, "hosts.sh")
+    with open(script, "w") as f:
+        f.write("#!/bin/sh\n" + body)
+    os.chmod(script, 0o755)
+    return script
+
+
+def _outcome(c, out, rc, output):
+    """What the tests check: the launcher's exit status and output, rank 0's result.json (out is
+    removed), and the processes found in the pretend hosts afterwards."""
+    result = _result(out)
+    shutil.rmtree(out, ignore_errors=True)
+    time.sleep(1)
+    left = {h: c.pids(h) for h in c.hosts if c.pids(h)}
+    return {"rc": rc, "output": output, "result": result, "hosts": list(c.hosts), "left": left}
+
+
 def _scenario():
     """Brings up 2 pretend hosts x 2 slots, runs the scenario (once more after Open MPI's start-up
     crash), tears the hosts down. Returns what the tests check: the launcher's exit status and
@@ -158,10 +177,7 @@ def _scenario():
         return {"skip": reason}
     with Cluster(hosts=2, slots=2, prefix="rl", net=19) as c, tempfile.TemporaryDirectory() as tmp:
         listing = pathlib.Path(tmp) / "hosts.txt"
-        script = os.path.join(tmp, "hosts.sh")
-        with open(script, "w") as f:
-            f.write(f"#!/bin/sh\ncat {listing}\n")
-        os.chmod(script, 0o755)
+        script = _discovery_script(tmp, f"cat {listing}\n")
         for attempt in range(2):
             out = tempfile.mkdtemp(prefix="tfmpi-elastic-hosts-")   # every pretend host sees it
             rc, output, recovery, crashed_at_start = _lose_a_host_and_get_it_back(c, out, listing, script)
@@ -177,11 +193,7 @@ def _scenario():
                 break
             print(f"start-up failure, launching again:\n{output[-3000:]}")
             shutil.rmtree(out, ignore_errors=True)
-        result = _result(out)
-        shutil.rmtree(out, ignore_errors=True)
-        time.sleep(1)
-        left = {h: c.pids(h) for h in c.hosts if c.pids(h)}
-        return {"rc": rc, "output": output, "result": result, "hosts": list(c.hosts), "left": left}
+        return _outcome(c, out, rc, output)
 
 
 def _growth_onto_a_host_without_ranks():
@@ -191,10 +203,7 @@ def _growth_onto_a_host_without_ranks():
     if reason:
         return {"skip": reason}
     with Cluster(hosts=2, slots=2, prefix="rg", net=23) as c, tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "hosts.sh")
-        with open(script, "w") as f:
-            f.write("#!/bin/sh\n" + "".join(f"echo {h}:{c.slots}\n" for h in c.hosts))
-        os.chmod(script, 0o755)
+        script = _discovery_script(tmp, "".join(f"echo {h}:{c.slots}\n" for h in c.hosts))
         out = tempfile.mkdtemp(prefix="tfmpi-elastic-empty-host-")
         tag = f"elastic-empty-host-{uuid.uuid4().hex}"
         variables = {"ELASTIC_OUT": out, "ELASTIC_MODE": "tape", "ELASTIC_STEPS": "8"}
@@ -205,11 +214,7 @@ def _growth_onto_a_host_without_ranks():
         env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", **variables), clean_remote_env=True)
         rc, output, _ = mpi_harness.run_bounded_retrying(c.command(cmd), LAUNCH_TIMEOUT, env,
                                                          "growth onto a host without ranks")
-        result = _result(out)
-        shutil.rmtree(out, ignore_errors=True)
-        time.sleep(1)
-        left = {h: c.pids(h) for h in c.hosts if c.pids(h)}
-        return {"rc": rc, "output": output, "result": result, "hosts": list(c.hosts), "left": left}
+        return _outcome(c, out, rc, output)
 
 
 def test_a_listed_host_without_ranks_joins_by_a_relaunch_not_a_spawn():

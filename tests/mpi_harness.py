@@ -78,6 +78,13 @@ LISTENER_START_FAILURE = "The PMIx server's listener thread failed to start"
 LISTENER_RETRY_SLEEP_S = 1.0
 
 
+def listener_failed(rc, output, timed_out=False):
+    """Whether mpirun failed to start with Open MPI's launcher start failure (LISTENER_START_FAILURE:
+    it exited non-zero on its own, within a fraction of a second, before any rank ran; `rc` None:
+    still running): then a launch may be run again, once."""
+    return rc not in (0, None) and not timed_out and LISTENER_START_FAILURE in output
+
+
 def run_bounded(cmd, timeout, env, cwd=None):
     """Runs cmd (e.g. an mpirun command) in its own process group; kills the
     whole group after `timeout` s. Returns (returncode, output, elapsed, timed_out).
@@ -85,7 +92,7 @@ def run_bounded(cmd, timeout, env, cwd=None):
     Where mpirun failed to start (its output says LISTENER_START_FAILURE and it exited non-zero
     on its own), the command runs once more after a short sleep, and that run is returned."""
     rc, output, elapsed, timed_out = _run_bounded_once(cmd, timeout, env, cwd)
-    if rc != 0 and not timed_out and LISTENER_START_FAILURE in output:
+    if listener_failed(rc, output, timed_out):
         print(f"mpirun failed to start (rc={rc}: {LISTENER_START_FAILURE}); starting it again, once")
         time.sleep(LISTENER_RETRY_SLEEP_S)
         rc, output, elapsed, timed_out = _run_bounded_once(cmd, timeout, env, cwd)

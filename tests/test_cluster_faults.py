@@ -42,7 +42,7 @@ import time
 import pytest
 
 import cluster
-from mpi_harness import WORKERS, launch_env, process_alive
+from mpi_harness import LISTENER_RETRY_SLEEP_S, WORKERS, launch_env, listener_failed, process_alive
 
 KILL_LIMIT_S = 10
 WATCHDOG_S = 2
@@ -75,12 +75,18 @@ def _job(c, scenario, hosts):
                             "TF_MPI_PEER_TIMEOUT_SECONDS": str(PEER_S),
                             "TF_MPI_RUN_EXIT_GRACE_SECONDS": str(EXIT_GRACE_S), **quiet}))
     log_path = os.path.join(out, "log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(c.command(cmd, host=hosts[0]), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
+    for attempt in range(2):
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(c.command(cmd, host=hosts[0]), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         going = _wait(lambda: all(os.path.exists(os.path.join(out, f"going.{r}")) for r in range(3))
                       or proc.poll() is not None, START_TIMEOUT_S)
+        with open(log_path) as f:
+            if attempt == 0 and proc.poll() is not None and listener_failed(proc.returncode, f.read()):
+                time.sleep(LISTENER_RETRY_SLEEP_S)   # Open MPI's launcher did not start: once more
+                continue
+        break
+    try:
         if going and quiet:
             # Rank 2 has stopped submitting; the others are in their next collective's negotiation.
             going = _wait(lambda: os.path.exists(os.path.join(out, "quiet.2")) or proc.poll() is not None, 10)

@@ -142,6 +142,8 @@ def _lose_a_host_and_get_it_back(c, out, listing, script):
     if crashed_at_start:   # only Open MPI's start-up crash may do that
         assert mpi_harness.open_mpi_start_up_crash(output), output[-6000:]
         return rc, output, None, True
+    if killed_at is None and mpi_harness.listener_failed(rc, output):   # Open MPI's launcher did not start
+        return rc, output, None, True
     assert killed_at is not None, output[-6000:]
     recovery = resumed_at - killed_at if resumed_at else None
     print(f"killed {c.hosts[1]}; seconds from the kill to the first commit at size 2: {recovery}; "

@@ -694,8 +694,10 @@ def test_lost_host_ends_the_job_and_the_launcher_says_so(tmp_path, two_hosts):
         return proc, lines, ready, reader
 
     proc, lines, ready, reader = start()
-    if not ready.wait(30) and mpi_harness.open_mpi_start_up_crash("".join(lines)):
-        # Open MPI's own start-up crash (tests/mpi_harness.py): launched again, once.
+    if not ready.wait(30) and (mpi_harness.open_mpi_start_up_crash("".join(lines)) or
+                               mpi_harness.listener_failed(proc.poll(), "".join(lines))):
+        # Open MPI's own start-up crash, or its launcher that did not start (tests/mpi_harness.py):
+        # launched again, once.
         os.killpg(proc.pid, signal.SIGKILL)
         for h in c.hosts:
             c.kill_host(h)

@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from mpi_harness import WORKERS, launch_env, mpirun_command, process_alive, run_bounded
+from mpi_harness import (LISTENER_RETRY_SLEEP_S, WORKERS, launch_env, listener_failed, mpirun_command,
+                         process_alive, run_bounded)
 
 FAULTS = ["kill", "raise", "exit", "exit0"]
 LIMIT_S = 5
@@ -31,6 +32,14 @@ _runs = {}
 
 
 def _launch(fault):
+    _launch_once(fault)
+    run = _runs[fault]
+    if listener_failed(run["rc"], run["output"], run["timed_out"]):   # Open MPI's launcher did not start
+        time.sleep(LISTENER_RETRY_SLEEP_S)
+        _launch_once(fault)
+
+
+def _launch_once(fault):
     out = tempfile.mkdtemp(prefix=f"tfmpi_fault_{fault}_")
     cmd = mpirun_command(3, [sys.executable, os.path.join(WORKERS, "fault_worker.py"), fault])
     run = _runs[fault] = {"out": out, "timed_out": False, "last_exit": None}

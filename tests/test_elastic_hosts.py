@@ -219,21 +219,30 @@ def _growth_onto_a_host_without_ranks():
         return _outcome(c, out, rc, output)
 
 
+def _grown_to_both_hosts(s):
+    """The checks both scenarios end with: exit status 0, the launcher's relaunch with 4 ranks on
+    both hosts, and rank 0's result matching the one-process replay on every rank. Returns
+    (output, h1, h2, result)."""
+    output = s["output"]
+    assert s["rc"] == 0, output[-8000:]
+    h1, h2 = s["hosts"]
+    assert f"tf_mpi.run: the discovery script lists more hosts: relaunch with 4 rank(s) on {h1},{h2}" in output, \
+        output[-8000:]
+    r = s["result"]
+    assert r is not None, output[-8000:]
+    print(f"sizes {r['sizes']}; max |diff| vs replay {r['max_abs_diff_vs_replay']:.2e}")
+    assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
+    return output, h1, h2, r
+
+
 def test_a_listed_host_without_ranks_joins_by_a_relaunch_not_a_spawn():
     """The second host is given to mpirun (the script lists it at launch) but runs none of the 2
     ranks: no rank is spawned there; the job ends at its first commit and the launcher starts it
     again with 4 ranks on both hosts, resuming from that commit."""
     s = scenario("empty")
-    output = s["output"]
-    assert s["rc"] == 0, output[-8000:]
-    h1, h2 = s["hosts"]
+    output, h1, h2, r = _grown_to_both_hosts(s)
     assert f"host {h2} (host discovery) runs no rank of this job" in output, output[-8000:]
-    assert f"tf_mpi.run: the discovery script lists more hosts: relaunch with 4 rank(s) on {h1},{h2}" in output, \
-        output[-8000:]
     assert "relaunch 1 of" not in output, output[-8000:]   # not a restart after a failure
-    r = s["result"]
-    assert r is not None, output[-8000:]
-    assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
     sizes = r["sizes"]
     assert len(sizes) == 8 and r["size"] == 4 and sizes[0] == 2 and sizes[-1] == 4, sizes
     assert set(sizes) == {2, 4} and sizes == sorted(sizes), sizes
@@ -245,17 +254,9 @@ def test_lost_host_relaunch_then_growth_when_it_returns():
     from the last commit; h2 listed again: the ranks end at a commit and the launcher relaunches
     4 ranks on both hosts, which resume and finish with the replay's weights."""
     s = scenario()
-    output = s["output"]
-    assert s["rc"] == 0, output[-8000:]
-    h1, h2 = s["hosts"]
+    output, h1, h2, r = _grown_to_both_hosts(s)
     assert f"tf_mpi.run: lost {h2}: relaunch 1 of 3 with 2 rank(s) on {h1}, resuming from" in output, output[-8000:]
-    assert f"tf_mpi.run: the discovery script lists more hosts: relaunch with 4 rank(s) on {h1},{h2}" in output, \
-        output[-8000:]
     assert "relaunch 2 of" not in output, output[-8000:]   # growing is not a restart after a failure
-    r = s["result"]
-    assert r is not None, output[-8000:]
-    print(f"sizes {r['sizes']}; max |diff| vs replay {r['max_abs_diff_vs_replay']:.2e}")
-    assert r["allclose_vs_replay"] and r["identical_on_every_rank"], r
     sizes = r["sizes"]
     assert len(sizes) == STEPS and r["size"] == 4, r
     first_two = sizes.index(2)

@@ -41,12 +41,15 @@ CAP_NET_ADMIN), ``ip`` (iproute2), ``unshare`` (util-linux) and, for a rate,
 """
 import argparse
 import fcntl
+import glob
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,21 +82,23 @@ def unavailable_reason(need_rate=False):
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         return f"pretend hosts need {', '.join(missing)} (iproute2 / util-linux) on PATH"
-    _remove_stale_probes()
-    probe = f"{PROBE_PREFIX}{os.getpid()}"
-    r = _run(["ip", "netns", "add", probe], check=False)
-    if r.returncode != 0:
-        return f"cannot create a network namespace ({r.stdout.strip()}): needs CAP_SYS_ADMIN"
-    try:
-        r = _run(["ip", "netns", "exec", probe, "unshare", "--uts", "true"], check=False)
+    with _probe_lock:  # the probe namespace is named after the process: one probe at a time in it
+        _remove_stale_probes()
+        probe = f"{PROBE_PREFIX}{os.getpid()}"
+        r = _run(["ip", "netns", "add", probe], check=False)
         if r.returncode != 0:
-            return f"cannot give a namespace its own hostname (unshare --uts: {r.stdout.strip()})"
-    finally:
-        _run(["ip", "netns", "del", probe], check=False)
+            return f"cannot create a network namespace ({r.stdout.strip()}): needs CAP_SYS_ADMIN"
+        try:
+            r = _run(["ip", "netns", "exec", probe, "unshare", "--uts", "true"], check=False)
+            if r.returncode != 0:
+                return f"cannot give a namespace its own hostname (unshare --uts: {r.stdout.strip()})"
+        finally:
+            _run(["ip", "netns", "del", probe], check=False)
     return None
 
 
 PROBE_PREFIX = f"{DEFAULT_PREFIX}-probe"
+_probe_lock = threading.Lock()
 
 
 def _remove_stale_probes():
@@ -283,6 +288,19 @@ class Cluster:
                     shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
         if os.path.exists(self._state_file):
             os.remove(self._state_file)
+        self._remove_open_mpi_session_folders()
+
+    def _remove_open_mpi_session_folders(self):
+        """Open MPI's daemons keep their session folder (prted.<pid>, holding pmix.<hostname>.*
+        files) in the host's /tmp; one killed (a lost host, or down() itself) leaves it behind."""
+        for tmp in {"/tmp", tempfile.gettempdir()}:
+            for folder in glob.glob(os.path.join(tmp, "prted.*")):
+                try:
+                    names = os.listdir(folder)
+                except OSError:
+                    continue
+                if any(n.startswith("pmix.") and self._is_mine(n.split(".")[1]) for n in names):
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def kill_host(self, host, signal_name="KILL"):
         """Sends a signal (default SIGKILL) to every process running in a host's namespace."""

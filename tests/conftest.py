@@ -6,8 +6,20 @@ the shared results. Modules are asked in run order, so the launches start in the
 need them, except those marked long (sections launches first, then the Keras worker, compression at
 np=5), which are queued first so that they do not end the session alone; a test whose launch no pool
 thread has taken yet runs it itself. Nothing is launched for --collect-only.
+
+Every temporary file and folder of the session (the tests', the launched ranks', Open MPI's session
+folders) goes under one folder, removed when the session ends, so that a run leaves nothing in /tmp.
 """
-import mpi_harness
+import os
+import shutil
+import tempfile
+
+_SESSION_TMP = tempfile.mkdtemp(prefix="tfmpi-suite-")
+os.chmod(_SESSION_TMP, 0o755)        # a check run as another user reads a copy placed inside it
+tempfile.tempdir = _SESSION_TMP      # this process: tempfile.mkdtemp and friends
+os.environ["TMPDIR"] = _SESSION_TMP  # what it launches (mpirun, ranks, examples)
+
+import mpi_harness  # noqa: E402  (after TMPDIR: the harness and what it starts use it)
 
 
 def pytest_collection_finish(session):
@@ -28,3 +40,7 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     mpi_harness.stop_background_launches()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)

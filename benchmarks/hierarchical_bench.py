@@ -79,10 +79,10 @@ def sample(x, k):
 def model_row(b, nodes, per_node, links):
     """Flat and hierarchical seconds for b bytes with the engine's links: the engine's model
     (what auto decides by) and tf_mpi.predict's (engine chunks, its algorithms)."""
-    row = _core.hierarchical_model(b, nodes, per_node, links["intra_alpha_s"], links["intra_beta_s"],
-                                   links["inter_alpha_s"], links["inter_beta_s"])
     # Nodes pretended by TF_MPI_TOPOLOGY are one host to MPI: its flat allreduce knows no nodes there.
     flat = "single-level" if os.environ.get("TF_MPI_TOPOLOGY") else "node-aware"
+    row = _core.hierarchical_model(b, nodes, per_node, links["intra_alpha_s"], links["intra_beta_s"],
+                                   links["inter_alpha_s"], links["inter_beta_s"], flat=flat)
     cluster = predict.Cluster(nodes, per_node, predict.Link(links["intra_alpha_s"], links["intra_beta_s"]),
                               predict.Link(links["inter_alpha_s"], links["inter_beta_s"]), flat=flat)
     row["predict_flat_s"] = predict.group_time([b], cluster, hierarchical=False)

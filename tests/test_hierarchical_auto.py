@@ -11,8 +11,9 @@ timing, and the window is the model's with the user's figures.
 A second launch on the same layout has rank 3 stop responding inside that timing
 (TF_MPI_FAULT_STALL_STARTUP_TIMING): the MPI watchdog, armed around the start-up measurements, must
 end the job with its error within a bounded time.
-Plus, without MPI, the probe's arithmetic (tf_mpi._core.link_from_ping_pong) and how timings
-become a window (tf_mpi._core.hierarchical_window_from_timings).
+Plus, without MPI, the probe's arithmetic (tf_mpi._core.link_from_ping_pong), how timings
+become a window (tf_mpi._core.hierarchical_window_from_timings) and the model's flat allreduce
+across real hosts (tf_mpi._core.hierarchical_model).
 
 Needs root (network namespaces); skipped with the reason otherwise.
 """
@@ -59,6 +60,27 @@ def test_window_from_timings():
     assert window(sizes, [1] * 6, [1.5] * 6) == (0, 0)
     with pytest.raises(ValueError):
         window(sizes, [1] * 6, [1] * 5)
+
+
+def test_model_prices_flat_as_the_mpi_runs_it_across_real_hosts():
+    """The model behind auto where nothing is timed (TF_MPI_INTER_NODE_LINK set, process sets,
+    elastic mode): across real hosts MPI's own allreduce is node-aware (one stream of the whole
+    buffer per node, as the hierarchical path's shards add up to), so on a slow link the two are a
+    tie and the 5 % margin keeps the flat allreduce; a single-level flat (TF_MPI_TOPOLOGY's pretend
+    nodes, which MPI sees as one host) pays the ring across the link and goes hierarchical."""
+    gbit = dict(intra_alpha_s=1.7e-6, inter_alpha_s=11e-6, inter_beta_s=1 / 122e6)  # the 1 Gbit/s test bed's probe
+    aware = _core.hierarchical_model(16 << 20, 2, 2, **gbit)
+    single = _core.hierarchical_model(16 << 20, 2, 2, flat="single-level", **gbit)
+    assert (aware["auto_min_bytes"], aware["auto_max_bytes"]) == (0, 0), aware
+    assert single["auto_min_bytes"] <= 4096 and single["auto_max_bytes"] is None, single
+    # Node-aware flat: the link's time for the buffer once, plus the in-node reduce and broadcast.
+    assert aware["flat_s"] == pytest.approx(2 * 1.7e-6 + 2 * (16 << 20) / 10e9 + 11e-6 + (16 << 20) / 122e6, rel=1e-6)
+    assert single["flat_s"] > 1.4 * aware["flat_s"] and single["hierarchical_s"] == aware["hierarchical_s"]
+    # A fast link makes the in-node stages count: hierarchical from some size, with no upper end.
+    fast = _core.hierarchical_model(1 << 20, 2, 2, intra_alpha_s=1.7e-6, inter_alpha_s=10e-6, inter_beta_s=1 / 1466e6)
+    assert 0 < fast["auto_min_bytes"] <= 64 << 10 and fast["auto_max_bytes"] is None, fast
+    with pytest.raises(ValueError, match="node-aware"):
+        _core.hierarchical_model(1 << 20, 2, 2, flat="ring")
 
 
 def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():

@@ -36,6 +36,10 @@ def format_table(summary):
             s = e["cost_us_spread"]
             notes.append(f"1 KiB allreduce: {e['cost_us']:+.1f} us per tf.function call [{s['min']:+.1f}, "
                          f"{s['max']:+.1f}] (tf.identity call {e['identity_call_us']:.0f} us)")
+            if "raw_mpi_cost_us" in e:
+                notes.append(f"raw MPI_Allreduce in the same loop {e['raw_mpi_cost_us']:+.1f} us "
+                             f"[{e['raw_mpi_cost_us_spread']['min']:+.1f}, {e['raw_mpi_cost_us_spread']['max']:+.1f}], "
+                             f"tf_mpi beyond it {e['cost_over_raw_mpi_us']:+.1f} us")
         per_step = e.get("engine_per_step")
         if per_step:
             notes.append(f"rank 0 per step: {per_step['requests']:g} collectives, "

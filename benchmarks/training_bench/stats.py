@@ -61,8 +61,9 @@ def summarize_rounds(results):
         steals = [e["cpu_steal_share"] for e in ok if e.get("cpu_steal_share") is not None]
         if steals:
             entry["cpu_steal_share"] = spread(steals)
-        # cost_us: a callcost launch's 1 KiB allreduce cost per tf.function call (median of its samples).
-        for metric in ("efficiency", "of_pair", "cost_us"):
+        # cost_us: a callcost launch's 1 KiB allreduce cost per tf.function call (median of its samples);
+        # raw_mpi_cost_us: a raw MPI_Allreduce's in the same loop; cost_over_raw_mpi_us: tf_mpi's beyond it.
+        for metric in ("efficiency", "of_pair", "cost_us", "raw_mpi_cost_us", "cost_over_raw_mpi_us"):
             values = [e[metric] for e in ok if metric in e]
             if values:
                 entry[metric] = statistics.median(values)

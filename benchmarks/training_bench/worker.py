@@ -255,10 +255,13 @@ MODE_SETUPS = {"single": setup_single, "pair": setup_single, "tfmpi": setup_tfmp
 def run_call_cost(args):
     """Worker role of --mode callcost (under mpirun -np 2): what one 1 KiB float32 allreduce adds to a
     tf.function call. Two tf.functions of the same 256-element input, one returning its allreduce
-    (Sum), the other tf.identity of it: TensorFlow's own per-call cost. Samples alternate between
-    the two (each: a barrier, then CALLS back-to-back calls timed on every rank, the slowest rank's
-    time), so both see the same machine; the result is the median of each and the median of the
-    per-pair differences, in microseconds per call."""
+    (Sum), the other tf.identity of it: TensorFlow's own per-call cost. A third variant calls the
+    tf.identity function and then a raw MPI_Allreduce of 1 KiB (mpi4py): what any synchronous
+    collective costs in this loop, where each call waits for the slower rank's last call (the
+    ranks' per-call jitter), whatever library runs it. Samples rotate through the three (each: a
+    barrier, then CALLS back-to-back calls timed on every rank, the slowest rank's time), so all see
+    the same machine; the result is the median of each, and the medians of the per-round
+    differences against tf.identity, in microseconds per call."""
     import numpy as np
     tf = init_tensorflow_one_thread(args.inter_op_threads)
     import tf_mpi as hvd
@@ -287,15 +290,30 @@ def run_call_cost(args):
         local = np.array([(time.perf_counter() - start) / calls * 1e6])
         return float(_core.allreduce(local, hvd.Max, "callcost.slowest")[0])
 
-    for fn in (with_allreduce, without):  # warm-up (tracing, caches)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD.Dup()
+    raw_in, raw_out = np.ones(256, np.float32), np.empty(256, np.float32)
+
+    def without_then_raw_mpi(x):
+        without(x)
+        comm.Allreduce(raw_in, raw_out, op=MPI.SUM)
+
+    variants = (with_allreduce, without, without_then_raw_mpi)
+    for fn in variants:  # warm-up (tracing, caches)
         per_call_us(fn)
-    pairs = [(per_call_us(with_allreduce), per_call_us(without)) for _ in range(samples)]
+    rounds = [tuple(per_call_us(fn) for fn in variants) for _ in range(samples)]
+    if not np.array_equal(raw_out, expected):
+        raise RuntimeError("callcost: the raw MPI_Allreduce gave wrong sums")
+    cost = [a - b for a, b, _ in rounds]
+    raw_cost = [r - b for _, b, r in rounds]
     result = {"mode": CALL_COST_MODE, "model": "allreduce_1kib", "precision": "float32", "processes": hvd.size(),
               "calls_per_sample": calls, "samples": samples,
-              "allreduce_call_us": statistics.median(a for a, _ in pairs),
-              "identity_call_us": statistics.median(b for _, b in pairs),
-              "cost_us": statistics.median(a - b for a, b in pairs),
-              "cost_us_min": min(a - b for a, b in pairs), "cost_us_max": max(a - b for a, b in pairs),
+              "allreduce_call_us": statistics.median(a for a, _, _ in rounds),
+              "identity_call_us": statistics.median(b for _, b, _ in rounds),
+              "cost_us": statistics.median(cost), "cost_us_min": min(cost), "cost_us_max": max(cost),
+              # The same call followed by a raw MPI_Allreduce: the floor of any synchronous collective here.
+              "raw_mpi_cost_us": statistics.median(raw_cost),
+              "cost_over_raw_mpi_us": statistics.median(a - r for a, _, r in rounds),
               "engine_stats": {k: v for k, v in _core.stats().items() if k in ("inline_batches", "requests")},
               }
     result["samples_per_sec"] = 1e6 / result["allreduce_call_us"]  # calls/s, so the driver's tables have a rate

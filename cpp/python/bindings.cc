@@ -465,25 +465,31 @@ PYBIND11_MODULE(_core, m) {
      "`timed`: across real hosts under auto, the start-up timings the window came from (sizes in bytes, fastest\n"
      "seconds of the flat and the hierarchical path, the slowest rank's; empty lists where not timed).");
   m.def("hierarchical_model", [](double bytes, int nodes, int ranks_per_node, py::object intra_alpha_s,
-                                  py::object intra_beta_s, py::object inter_alpha_s, py::object inter_beta_s) {
+                                  py::object intra_beta_s, py::object inter_alpha_s, py::object inter_beta_s,
+                                  const std::string& flat_name) {
+    if (flat_name != "node-aware" && flat_name != "single-level")
+      throw py::value_error("flat='" + flat_name + "': expected 'node-aware' or 'single-level'");
+    const FlatModel flat = flat_name == "node-aware" ? FlatModel::kNodeAware : FlatModel::kSingleLevel;
     HierarchicalSettings s = HierarchicalSettings::FromEnv();
     if (!intra_alpha_s.is_none()) s.intra.alpha_s = intra_alpha_s.cast<double>();
     if (!intra_beta_s.is_none()) s.intra.beta_s = intra_beta_s.cast<double>();
     if (!inter_alpha_s.is_none()) s.inter.alpha_s = inter_alpha_s.cast<double>();
     if (!inter_beta_s.is_none()) s.inter.beta_s = inter_beta_s.cast<double>();
-    const SizeWindow w = HierarchicalWindow(nodes, ranks_per_node, s.intra, s.inter);
+    const SizeWindow w = HierarchicalWindow(nodes, ranks_per_node, s.intra, s.inter, flat);
     const int64_t any = std::numeric_limits<int64_t>::max();
     return py::dict(
-        py::arg("flat_s") = FlatAllreduceSeconds(bytes, nodes, ranks_per_node, s.intra, s.inter),
+        py::arg("flat_s") = FlatAllreduceSeconds(bytes, nodes, ranks_per_node, s.intra, s.inter, flat),
         py::arg("hierarchical_s") = HierarchicalAllreduceSeconds(bytes, nodes, ranks_per_node, s.intra, s.inter),
         py::arg("auto_min_bytes") = w.min_bytes,
         py::arg("auto_max_bytes") = w.max_bytes == any ? py::object(py::none()) : py::object(py::int_(w.max_bytes)));
   }, py::arg("bytes"), py::arg("nodes"), py::arg("ranks_per_node"), py::arg("intra_alpha_s") = py::none(),
      py::arg("intra_beta_s") = py::none(), py::arg("inter_alpha_s") = py::none(), py::arg("inter_beta_s") = py::none(),
+     py::arg("flat") = "node-aware",
      "The alpha-beta model behind TF_MPI_HIERARCHICAL=auto: modelled seconds of one allreduce of `bytes`, flat and\n"
      "hierarchical, on nodes x ranks_per_node ranks, and the sizes auto would use there. Links: the arguments\n"
      "given (seconds per message step, seconds per byte; e.g. those of hierarchical()), else\n"
-     "TF_MPI_INTRA_NODE_LINK / TF_MPI_INTER_NODE_LINK, else the defaults. Needs no init().");
+     "TF_MPI_INTRA_NODE_LINK / TF_MPI_INTER_NODE_LINK, else the defaults. flat: how MPI's own allreduce crosses\n"
+     "nodes, 'node-aware' (real hosts) or 'single-level' (TF_MPI_TOPOLOGY's nodes on one host). Needs no init().");
   m.def("hierarchical_window_from_timings", [](std::vector<int64_t> bytes, std::vector<double> flat_s,
                                                std::vector<double> hierarchical_s) {
     if (bytes.size() != flat_s.size() || bytes.size() != hierarchical_s.size())

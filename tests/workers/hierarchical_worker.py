@@ -194,7 +194,7 @@ def check_auto_uses_the_cost_model_window():
         nodes, per_node = parse(topology)
         reinit(TF_MPI_TOPOLOGY=topology, TF_MPI_HIERARCHICAL="auto")
         info = _core.hierarchical()
-        model = _core.hierarchical_model(1.0, nodes, per_node)
+        model = _core.hierarchical_model(1.0, nodes, per_node, flat="single-level")  # pretend nodes: one host
         assert info["usable"] and (info["min_bytes"], info["max_bytes"]) == (model["auto_min_bytes"],
                                                                              model["auto_max_bytes"]), (info, model)
         lo, hi = info["min_bytes"], info["max_bytes"]

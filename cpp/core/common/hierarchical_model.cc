@@ -99,10 +99,14 @@ std::string HierarchicalSettings::ToString() const {
          LinkString(intra, intra_given, intra_probed) + " inter_node_link=" + LinkString(inter, inter_given, inter_probed);
 }
 
-double FlatAllreduceSeconds(double m, int n, int L, const Link& intra, const Link& inter) {
+double FlatAllreduceSeconds(double m, int n, int L, const Link& intra, const Link& inter, FlatModel flat) {
   const int N = n * L;
   if (N <= 1) return 0.0;
   if (n <= 1) return LevelAllreduce(L, intra, m, 1);
+  if (flat == FlatModel::kNodeAware && L > 1) {
+    const double rooted = std::min(Log2Ceil(L) * (intra.alpha_s + m * intra.beta_s), 2 * NodeHalf(L, intra, m));
+    return 2 * rooted + LevelAllreduce(n, inter, m, 1);
+  }
   const double ring = 2.0 * (N - 1) * inter.alpha_s + 2.0 * (N - 1) / N * m * inter.beta_s;
   const double doubling =
       Log2Ceil(L) * (intra.alpha_s + m * intra.beta_s) + Log2Ceil(n) * (inter.alpha_s + L * m * inter.beta_s);
@@ -115,13 +119,14 @@ double HierarchicalAllreduceSeconds(double m, int n, int L, const Link& intra, c
   return 2 * NodeHalf(L, intra, m) + LevelAllreduce(n, inter, m / L, L);
 }
 
-SizeWindow HierarchicalWindow(int nodes, int ranks_per_node, const Link& intra, const Link& inter) {
+SizeWindow HierarchicalWindow(int nodes, int ranks_per_node, const Link& intra, const Link& inter, FlatModel flat) {
   SizeWindow w;
   bool inside = false;
   for (int k = 6; k <= 40; ++k) {
     const int64_t bytes = int64_t{1} << k;
-    const bool pays = HierarchicalAllreduceSeconds(static_cast<double>(bytes), nodes, ranks_per_node, intra, inter) <
-                      FlatAllreduceSeconds(static_cast<double>(bytes), nodes, ranks_per_node, intra, inter);
+    const double m = static_cast<double>(bytes);
+    const bool pays = HierarchicalAllreduceSeconds(m, nodes, ranks_per_node, intra, inter) <
+                      (1 - kHierarchicalMargin) * FlatAllreduceSeconds(m, nodes, ranks_per_node, intra, inter, flat);
     if (pays && !inside) {
       if (w.max_bytes > w.min_bytes) break;  // a second window: keep the first
       w.min_bytes = k == 6 ? 0 : bytes;

@@ -10,7 +10,14 @@
 // Rabenseifner's reduce-scatter + allgather, 2*ceil(log2 p)*alpha +
 // 2*(p-1)/p * s*m*beta, where m is the message and s how many such allreduces
 // share each link at once. With n nodes of L ranks, N = n*L:
-//   flat          one allreduce over all N ranks, its steps crossing nodes:
+//   flat, node-aware   (FlatModel::kNodeAware: nodes that are real hosts, which the MPI library
+//                 sees: Open MPI 5's coll/han, MPICH's SMP-aware collectives) a reduce to one
+//                 rank per node, the cheaper of a binomial tree log2(L)*(alpha_l + m*beta_l)
+//                 and reduce-scatter + gather 2*(log2(L)*alpha_l + (L-1)/L*m*beta_l), one
+//                 allreduce of m among the n node leaders over the inter-node link (one stream
+//                 per node), and a broadcast in the node, priced as the reduce;
+//   flat, single-level (FlatModel::kSingleLevel: nodes the MPI does not see, TF_MPI_TOPOLOGY's
+//                 pretend nodes on one host) one allreduce over all N ranks, its steps crossing nodes:
 //                   ring          2(N-1)*alpha_x + 2(N-1)/N*m*beta_x (one ring edge per node's interface)
 //                   doubling      log2(L)*(alpha_l + m*beta_l) + log2(n)*(alpha_x + L*m*beta_x)
 //                   Rabenseifner  2log2(L)*alpha_l + 2log2(n)*alpha_x + 2(n-1)/n*L*m*beta_x
@@ -19,8 +26,10 @@
 //   hierarchical  reduce-scatter in the node, log2(L)*alpha_l + (L-1)/L*m*beta_l, the same again for
 //                 the allgather in the node, and between them L allreduces of m/L bytes among the n
 //                 nodes at once (s = L) over the inter-node link.
-// It leaves out: the reduction arithmetic, contention inside a node, the MPI's
-// exact algorithm switch points, and overlap between the levels.
+// It leaves out: the reduction arithmetic, contention inside a node (ranks
+// sharing cores), the MPI's exact algorithm switch points, and overlap between
+// the levels. The window asks the modelled hierarchical time to beat flat's by
+// kHierarchicalMargin, as timed windows do: a near-tie goes to MPI's allreduce.
 #pragma once
 
 #include <cstdint>
@@ -60,8 +69,17 @@ struct HierarchicalSettings {
   std::string ToString() const;
 };
 
+// Hierarchical must beat flat by this share to be chosen (by
+// the model's window or by start-up timings): closer, the two are a
+// tie, and a tie goes to MPI's own allreduce.
+constexpr double kHierarchicalMargin = 0.05;
+
+// How the MPI library's own (flat) allreduce crosses nodes (the model above).
+enum class FlatModel { kNodeAware, kSingleLevel };
+
 // Modelled seconds of one allreduce of `bytes` on nodes x ranks_per_node ranks.
-double FlatAllreduceSeconds(double bytes, int nodes, int ranks_per_node, const Link& intra, const Link& inter);
+double FlatAllreduceSeconds(double bytes, int nodes, int ranks_per_node, const Link& intra, const Link& inter,
+                            FlatModel flat);
 double HierarchicalAllreduceSeconds(double bytes, int nodes, int ranks_per_node, const Link& intra,
                                     const Link& inter);
 
@@ -72,7 +90,7 @@ struct SizeWindow {
   int64_t min_bytes = 0, max_bytes = 0;
   bool Contains(int64_t bytes) const { return bytes >= min_bytes && bytes < max_bytes; }
 };
-SizeWindow HierarchicalWindow(int nodes, int ranks_per_node, const Link& intra, const Link& inter);
+SizeWindow HierarchicalWindow(int nodes, int ranks_per_node, const Link& intra, const Link& inter, FlatModel flat);
 
 // Across real hosts auto's window comes from timing both paths at start-up
 // instead (execution/hierarchical_timing.h says how and why); these are the
@@ -82,10 +100,6 @@ struct PathTimings {
   std::vector<double> flat_s, hierarchical_s;  // seconds per size (the slowest rank's fastest call)
   double seconds = 0;                          // the timing's own wall time
 };
-
-// Hierarchical must beat flat by this share to be chosen: closer, the two are a
-// tie, and a tie goes to MPI's own allreduce.
-constexpr double kHierarchicalMargin = 0.05;
 
 // The window of sizes where the hierarchical path was faster, by more than
 // kHierarchicalMargin over the run of sizes (the .cc says how a disturbed size

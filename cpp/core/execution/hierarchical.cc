@@ -62,8 +62,13 @@ HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiCo
       why = " (both paths timed at start-up" + std::string(took) + ", flat/hierarchical: " + TimingsString(*timed) +
             "; larger sizes as the largest; the model's " + links + ")";
     } else {
-      c.window = HierarchicalWindow(nodes, per_node, s.intra, s.inter);
-      why = " (alpha-beta model, sizes rounded to powers of two; " + links + ")";
+      // Nodes the MPI library sees (real hosts) get its node-aware allreduce;
+      // TF_MPI_TOPOLOGY's pretend nodes share one host, where it runs a single level.
+      const bool pretend = mpi.topology_source().rfind("TF_MPI_TOPOLOGY", 0) == 0;
+      c.window = HierarchicalWindow(nodes, per_node, s.intra, s.inter,
+                                    pretend ? FlatModel::kSingleLevel : FlatModel::kNodeAware);
+      why = std::string(" (alpha-beta model, flat ") + (pretend ? "single-level" : "node-aware") +
+            ", sizes rounded to powers of two; " + links + ")";
     }
   }
   c.summary = prefix + "hierarchical for " + WindowString(c.window) + why + "; " + topology;

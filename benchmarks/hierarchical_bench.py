@@ -14,7 +14,7 @@ What it measures: float32 Sum allreduces of numpy arrays through the engine
 initialises the engine with ``TF_MPI_HIERARCHICAL=0``, times every size, shuts
 it down, and does the same with ``TF_MPI_HIERARCHICAL=1`` and ``auto``; the
 order of the three rotates between rounds, so background load hits all alike. A sample is K back-to-back calls (K calibrated once per size to
-~50 ms, the same on every rank) after an engine barrier (a small allreduce),
+~150 ms, the same on every rank) after an engine barrier (a small allreduce),
 divided by K; its time is the slowest rank's. Per size it prints the median
 time of each path and the median and range over rounds of the ratio
 hierarchical / flat (below 1: hierarchical faster), next to the times and ratio
@@ -23,6 +23,8 @@ engine's links (``tf_mpi._core.hierarchical()``: TF_MPI_INTRA_NODE_LINK /
 TF_MPI_INTER_NODE_LINK, else the start-up probe's or the defaults; the median
 over the auto rounds, each of which probed anew across hosts), and auto's
 median over the better of flat and hierarchical (target: at most 1.1).
+Across real hosts each auto round also records ``tf_mpi.predict.measure_engine_seconds()``:
+with the round's start-up timings, what ``python -m tf_mpi.predict --measure`` calibrates on.
 ``--json PATH`` writes all samples (with the machine, through benchmarks/harness.py, whose
 rotation of rounds and timed samples this script uses).
 
@@ -50,6 +52,7 @@ import harness  # noqa: E402
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
 MODES = ("0", "1", "auto")  # flat, hierarchical, the model's choice
+SAMPLE_S = 0.15  # a sample's K calls take about this long (one call where a call takes longer)
 
 
 def init(mode):
@@ -106,7 +109,7 @@ def main():
     for b, x in inputs.items():  # check, and calibrate K on the hierarchical path
         assert np.all(allreduce(x) == want)
         t = sample(x, 1)
-        ks[b] = int(allreduce(np.array([max(1, min(200, int(0.05 / max(t, 1e-6))))], np.int64), op=3)[0])
+        ks[b] = int(allreduce(np.array([max(1, min(200, int(SAMPLE_S / max(t, 1e-6))))], np.int64), op=3)[0])
     init("0")
     for b, x in inputs.items():
         assert np.all(allreduce(x) == want)
@@ -117,6 +120,9 @@ def main():
             init(mode)
             if mode == "auto":
                 autos.append(_core.hierarchical())
+                if nodes > 1 and not os.environ.get("TF_MPI_TOPOLOGY"):
+                    # With "timed", what `python -m tf_mpi.predict --measure` calibrates on in this job.
+                    autos[-1]["engine_s"] = predict.measure_engine_seconds()
             for b, x in inputs.items():
                 times[(mode, b)].append(sample(x, ks[b]))
     # The medians of the rounds' links against the medians of the rounds' times.

@@ -16,6 +16,7 @@ Launches and the record (with the machine): benchmarks/harness.py.
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +45,29 @@ def run_layout(cluster, hosts, slots, rounds, timeout):
     return record
 
 
+def calibration(rec):
+    """tf_mpi.predict's Cluster for a stored run, as `predict --measure` calibrates it: the engine's
+    links with their rates fitted to the auto rounds' start-up timings (per size, the median over
+    rounds, sizes every round timed) and the engine's cost per collective from their 8-byte
+    allreduces (median). Older records without those: the start-up probe's links."""
+    a = rec["auto"]
+    intra = predict.Link(a["intra_alpha_s"], a["intra_beta_s"])
+    probe = predict.Link(a["inter_alpha_s"], a["inter_beta_s"])
+    rounds = [r for r in rec.get("auto_rounds", []) if r.get("timed", {}).get("bytes") and "engine_s" in r]
+    if not rounds:
+        return predict.Cluster(rec["nodes"], rec["ranks_per_node"], intra, probe), "probe"
+    n = min(len(r["timed"]["bytes"]) for r in rounds)
+    timed = {"bytes": rounds[0]["timed"]["bytes"][:n]}
+    for key in ("flat_s", "hierarchical_s"):
+        timed[key] = [statistics.median(r["timed"][key][i] for r in rounds) for i in range(n)]
+    engine_s = statistics.median(r["engine_s"] for r in rounds)
+    small = predict.ENGINE_PROBE_BYTES
+    hierarchical = bool(a["usable"] and a["min_bytes"] <= small and (a["max_bytes"] is None or small < a["max_bytes"]))
+    cluster = predict.calibrated_cluster(rec["nodes"], rec["ranks_per_node"], intra, probe, timed, engine_s, small,
+                                         hierarchical)
+    return cluster, "calibrated"
+
+
 def table(paths):
     """Markdown rows: per rate and size, measured medians against tf_mpi.predict, and auto."""
     def ms(v):
@@ -59,12 +83,13 @@ def table(paths):
         with open(path) as f:
             rec = json.load(f)
         a = rec["auto"]
+        # The predictions of the current tf_mpi.predict (across real hosts: Open MPI's node-aware flat),
+        # calibrated as `predict --measure` does on the measurements each auto round made at start-up.
+        cluster, how = calibration(rec)
         link = (f"{rec['rate']} ({rec['nodes']}x{rec['ranks_per_node']}; probe {a['inter_alpha_s'] * 1e6:.0f} us, "
-                f"{1e-6 / a['inter_beta_s']:.0f} MB/s)")
-        # The predictions of the current tf_mpi.predict (across real hosts: Open MPI's node-aware flat) with
-        # the links the engine used in that run.
-        cluster = predict.Cluster(rec["nodes"], rec["ranks_per_node"], predict.Link(a["intra_alpha_s"], a["intra_beta_s"]),
-                                  predict.Link(a["inter_alpha_s"], a["inter_beta_s"]))
+                f"{1e-6 / a['inter_beta_s']:.0f} MB/s"
+                + (f"; calibrated: {1e-6 / cluster.inter.beta:.0f} MB/s across, {1e-9 / cluster.intra.beta:.2g} GB/s "
+                   f"in the node, {cluster.collective_s * 1e6:.0f} us per collective)" if how == "calibrated" else ")"))
         for r in rec["rows"]:
             flat, hier = (predict.group_time([r["bytes"]], cluster, hierarchical=h) for h in (False, True))
             print(f"| {link} | {r['bytes']} | {ms(r['flat_median_s'])} | {ms(flat)} | "

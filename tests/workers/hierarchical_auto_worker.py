@@ -24,6 +24,13 @@ def phase(name):
     init_s = time.perf_counter() - t0
     h = _core.hierarchical()
     rank, size = _core.rank(), _core.size()
+    calibrated = None
+    if name == "probe":  # what `python -m tf_mpi.predict --measure` calibrates on across these hosts
+        from tf_mpi import predict
+        c = predict.measure_cluster(repeats=11)
+        calibrated = {"intra_alpha_s": c.intra.alpha, "intra_beta_s": c.intra.beta, "inter_alpha_s": c.inter.alpha,
+                      "inter_beta_s": c.inter.beta, "collective_s": c.collective_s,
+                      "nodes": c.nodes, "ranks_per_node": c.ranks_per_node}
     rows = []
     for b in SIZES:
         before = _core.stats()["hierarchical_allreduces"]
@@ -31,7 +38,7 @@ def phase(name):
         rows.append({"bytes": b, "hierarchical": _core.stats()["hierarchical_allreduces"] - before,
                      "right": bool(np.all(y == size * (size + 1) / 2))})
     _core.shutdown()
-    return {"init_s": init_s, "hierarchical": h, "rows": rows, "cross_size": None}
+    return {"init_s": init_s, "hierarchical": h, "rows": rows, "cross_size": None, "calibrated": calibrated}
 
 
 def main():

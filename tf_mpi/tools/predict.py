@@ -9,7 +9,7 @@ Run::
     python -m tf_mpi.predict model.keras --step-ms 120            # a saved Keras model
     mpirun -np 2 python -m tf_mpi.predict model.keras --step-ms 120 --measure   # links from the probe
     mpirun -np 4 -H host1:2,host2:2 python -m tf_mpi.predict model.keras --step-ms 120 --measure
-        # across nodes: the inter-node link tf_mpi measured at start-up (and its TF_MPI_INTER_NODE_LINK)
+        # across nodes: calibrated on the job (measure_cluster; prints its TF_MPI_INTER_NODE_LINK)
 
 or from Python::
 
@@ -67,10 +67,15 @@ The model (docs/scaling.md says the same, with the numbers of the presets):
   node's cores (CPU training; then communication, CPU work too, is slowed by the same
   factor), else 1.
 
-Left out: network contention and congestion (many flows on one switch), stragglers and
-step-time variance (a synchronous step waits for the slowest rank), interference of
-communication with computation beyond the one ``overlap`` share, the engine's
-negotiation and per-collective software cost beyond what ``alpha`` includes, NCCL's
+* **The engine's own cost per collective** (``Cluster.collective_s``: the negotiation with
+  rank 0, hand-offs between threads) is added once per grouped allreduce; 0 unless measured.
+* **Calibration** (``--measure`` across hosts, ``measure_cluster``): the links tf_mpi probed
+  at start-up, their rates fitted to the start-up timings of both allreduce paths
+  (``fit_link_rates``), and the cost per collective from an 8-byte allreduce.
+
+Left out: network contention and congestion (many flows on one switch or rate limiter),
+stragglers and step-time variance (a synchronous step waits for the slowest rank),
+interference of communication with computation beyond the one ``overlap`` share, NCCL's
 algorithms (tree, pipelining of chunks), and the time to load a batch.
 """
 import argparse
@@ -225,7 +230,10 @@ class Cluster:
     ``nics_per_node``: network cards the ranks of a node share for the cross-node part of
     the hierarchical allreduce. ``cores_per_node``: 0 when ranks do not share compute (a
     GPU each); otherwise more ranks than cores on a node slow computation and
-    communication by ``ranks_per_node / cores_per_node``.
+    communication by ``ranks_per_node / cores_per_node``. ``collective_s``: what one
+    collective costs the engine besides the MPI calls (the negotiation with rank 0, the
+    hand-offs between threads), added once per grouped allreduce; ``measure_cluster`` measures
+    it on a running job, 0 leaves it out.
 
     Example::
 
@@ -240,13 +248,15 @@ class Cluster:
     chunk_bytes: int = None   # None: the engine's default for this many nodes
     direct_bytes: int = DEFAULT_DIRECT_BYTES
     flat: str = "node-aware"  # how the MPI library's own allreduce crosses nodes: FLAT_ALGORITHMS
+    collective_s: float = 0.0  # the engine's software cost per collective (measure_cluster); 0: not priced
 
     def __post_init__(self):
         if self.chunk_bytes is None:
             object.__setattr__(self, "chunk_bytes", DEFAULT_CHUNK_BYTES if self.nodes == 1 else NETWORK_CHUNK_BYTES)
-        if self.nodes < 1 or self.ranks_per_node < 1 or self.nics_per_node < 1 or self.cores_per_node < 0:
-            raise ValueError(f"a cluster needs nodes, ranks_per_node, nics_per_node >= 1 and cores_per_node >= 0: "
-                             f"{self}")
+        if (self.nodes < 1 or self.ranks_per_node < 1 or self.nics_per_node < 1 or self.cores_per_node < 0
+                or not self.collective_s >= 0):
+            raise ValueError(f"a cluster needs nodes, ranks_per_node, nics_per_node >= 1 and cores_per_node, "
+                             f"collective_s >= 0: {self}")
         if self.flat not in FLAT_ALGORITHMS:
             raise ValueError(f"flat={self.flat!r}: expected one of {', '.join(FLAT_ALGORITHMS)}")
 
@@ -337,7 +347,7 @@ def group_time(tensor_bytes, cluster, hierarchical):
     allreduce = hierarchical_allreduce_time if hierarchical else flat_allreduce_time
     if cluster.size == 1:
         return 0.0
-    return sum(allreduce(b, cluster)[0] for b in engine_messages(tensor_bytes, cluster))
+    return cluster.collective_s + sum(allreduce(b, cluster)[0] for b in engine_messages(tensor_bytes, cluster))
 
 
 def plan_cost_model(cluster, hierarchical, overlap):
@@ -407,6 +417,135 @@ def link_from_probe(cost_model, ranks, chunk_bytes=DEFAULT_CHUNK_BYTES):
                   Link(a / (2 * (ranks - 1)), b * ranks / (2 * (ranks - 1)), "from the probe")]
     best = min(candidates, key=lambda link: abs(allreduce_time(piece, ranks, link)[0] - (a + b * piece)))
     return best
+
+
+# ----------------------------------------------------------------------------- calibration on a running job
+
+
+def fit_link_rates(timed, nodes, ranks_per_node, intra, inter, flat="node-aware", chunk_bytes=None):
+    """(intra, inter): the two Links with their betas (seconds per byte) fitted so that this model
+    best reproduces measured times of both allreduce paths; their alphas stay as given (the
+    start-up probe's latencies). ``timed`` is ``{"bytes": [...], "flat_s": [...],
+    "hierarchical_s": [...]}``, what ``tf_mpi._core.hierarchical()["timed"]`` holds after
+    ``init()`` across real hosts (the engine timed both paths at start-up, 4 KiB and up).
+
+    Both paths send the same bytes across nodes and differ in the node stages (the flat one
+    reduces to one rank and broadcasts, the hierarchical one reduce-scatters and allgathers), so
+    the times of both fix the two rates: what they share is the network's, their difference the
+    node's. The fit is least squares in seconds (a log grid for the start, then Gauss-Newton
+    steps): the sizes where the time goes weigh most, so the rates are the sustained ones, not
+    those of messages that fit the socket buffers or a rate limiter's burst. What the rates then
+    stand for is the job's own links as its allreduces see them, with what the model leaves out
+    (the MPI's algorithms, CPU per byte, ranks sharing cores) folded in.
+
+    Example::
+
+        timed = {"bytes": [1 << 20, 4 << 20], "flat_s": [8.8e-3, 35e-3], "hierarchical_s": [8.9e-3, 36e-3]}
+        intra, inter = fit_link_rates(timed, 2, 2, Link(1.7e-6, 1e-10), Link(1e-5, 8e-9))
+    """
+    points = [(b, f, h) for b, f, h in zip(timed["bytes"], timed["flat_s"], timed["hierarchical_s"]) if f > 0 and h > 0]
+    if not points:
+        raise ValueError("fit_link_rates needs at least one timed size with positive times")
+
+    measured = np.array([t for _, f, h in points for t in (f, h)])
+
+    def times(intra_beta, inter_beta):
+        cluster = Cluster(nodes, ranks_per_node, replace(intra, beta=intra_beta), replace(inter, beta=inter_beta),
+                          flat=flat, chunk_bytes=chunk_bytes)
+        return np.array([group_time([b], cluster, h) for b, _, _ in points for h in (False, True)])
+
+    # A coarse log grid for the start, then Gauss-Newton steps: with the algorithms the model picks
+    # held, every time is linear in the two rates, so each step is an exact linear least squares.
+    _, intra_beta, inter_beta = min((float(np.sum((times(i, x) - measured) ** 2)), i, x)
+                                    for i in np.logspace(-12, -8, 17) for x in np.logspace(-12, -6, 25))
+    # The node's rate is at most the given one (the default is shared memory's, 10 GB/s): where
+    # the hierarchical path is no faster than the flat one, a faster node would be the fit's only
+    # way to price that, and it would take the difference from the network's rate.
+    intra_beta = max(intra_beta, intra.beta)
+    for fit_intra in (True, False):
+        for _ in range(4):
+            base = times(intra_beta, inter_beta)
+            columns = [(times(intra_beta, inter_beta * 1.01) - base) / (0.01 * inter_beta)]
+            if fit_intra:
+                columns.append((times(intra_beta * 1.01, inter_beta) - base) / (0.01 * intra_beta))
+            step = np.linalg.lstsq(np.stack(columns, axis=1), measured - base, rcond=None)[0]
+            inter_beta = float(min(max(inter_beta + step[0], 1e-13), 1e-5))
+            if fit_intra:
+                intra_beta = float(min(max(intra_beta + step[1], intra.beta), 1e-7))
+        if intra_beta > intra.beta:
+            break  # both rates fitted inside their bounds; else fit the network's alone
+    return (replace(intra, beta=float(intra_beta), description="rate fitted to both paths' start-up timings"),
+            replace(inter, beta=float(inter_beta), description="rate fitted to both paths' start-up timings"))
+
+
+def calibrated_cluster(nodes, ranks_per_node, intra, inter, timed=None, engine_s=None, engine_bytes=8,
+                       engine_hierarchical=False, flat="node-aware"):
+    """The Cluster of a running job, calibrated on what it measured: the links' rates fitted to the
+    start-up timings of both paths (``fit_link_rates``; the links as given where there are none),
+    and ``collective_s`` = ``engine_s``, the time of one allreduce of ``engine_bytes`` through the
+    engine (negotiation included), less the model's time for its MPI part (on the hierarchical
+    path if ``engine_hierarchical``).
+
+    Example::
+
+        cluster = calibrated_cluster(2, 2, Link(1.7e-6, 1e-10), Link(1e-5, 8e-9), timed, engine_s=1.3e-4)
+    """
+    if timed and timed.get("bytes"):
+        intra, inter = fit_link_rates(timed, nodes, ranks_per_node, intra, inter, flat)
+    cluster = Cluster(nodes, ranks_per_node, intra, inter, flat=flat)
+    if engine_s is not None:
+        mpi_part = group_time([engine_bytes], cluster, engine_hierarchical)
+        cluster = replace(cluster, collective_s=max(0.0, engine_s - mpi_part))
+    return cluster
+
+
+ENGINE_PROBE_BYTES = 8
+
+
+def measure_engine_seconds(nbytes=ENGINE_PROBE_BYTES, repeats=31):
+    """Seconds of one float32 Sum allreduce of ``nbytes`` through the engine (negotiation
+    included): the median over ``repeats`` calls, each started together on every rank and
+    counted as the slowest rank's time; rank 0's figure on every rank (collective: call on
+    every rank after ``tf_mpi.init()``).
+
+    Example: ``predict.measure_engine_seconds() * 1e6``   # microseconds
+    """
+    import time
+    from tf_mpi.basics import _core, Max, Sum
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    _core.allreduce(x, Sum, "tfmpi.predict.engine")  # warm-up
+    samples = []
+    for _ in range(repeats):
+        _core.allreduce(np.zeros(1, np.int32), Sum, "tfmpi.predict.barrier")  # start together
+        start = time.perf_counter()
+        _core.allreduce(x, Sum, "tfmpi.predict.engine")
+        samples.append(time.perf_counter() - start)
+    slowest = _core.allreduce(np.array(samples, np.float64), Max, "tfmpi.predict.engine.slowest")
+    return float(_core.broadcast(np.array([float(np.median(slowest))]), 0, "tfmpi.predict.engine.share")[0])
+
+
+def measure_cluster(repeats=31):
+    """Calibrates the model on the running job (collective: call on every rank after
+    ``tf_mpi.init()``): its nodes and ranks per node, the engine's links (the start-up probe's
+    or TF_MPI_INTRA/INTER_NODE_LINK) with their rates fitted to the start-up timings of both
+    allreduce paths where the engine made them (across real hosts, ``fit_link_rates``), and
+    ``collective_s`` from ``measure_engine_seconds(8, repeats)``. Every rank returns rank 0's figures.
+
+    Example::
+
+        hvd.init()
+        cluster = predict.measure_cluster()
+        print(cluster.inter, cluster.collective_s)
+    """
+    from tf_mpi.basics import _core
+    h = _core.hierarchical()
+    intra, inter = engine_links()
+    engine_s = measure_engine_seconds(ENGINE_PROBE_BYTES, repeats)
+    window = (h["min_bytes"], h["max_bytes"])
+    hierarchical = bool(h["usable"] and window[0] <= ENGINE_PROBE_BYTES and
+                        (window[1] is None or ENGINE_PROBE_BYTES < window[1]))
+    return calibrated_cluster(_core.cross_size(), _core.local_size(), intra, inter, h["timed"], engine_s,
+                              ENGINE_PROBE_BYTES, hierarchical)
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -669,9 +808,11 @@ def _parse_args(argv):
     p.add_argument("--inter", default="ib100", help="link between nodes (same forms as --intra)")
     p.add_argument("--measure", action="store_true",
                    help="under mpirun on one node: take the intra-node link (and the overlap, unless --overlap) "
-                        "from tf_mpi's probe, --inter stays as given; across nodes: take the inter-node link "
-                        "tf_mpi measured at start-up (printed as a TF_MPI_INTER_NODE_LINK value) and the overlap, "
-                        "--intra stays as given")
+                        "from tf_mpi's probe, --inter stays as given; across nodes: the links tf_mpi measured at "
+                        "start-up with their rates fitted to its start-up timings of both allreduce paths (the "
+                        "inter-node one printed as a TF_MPI_INTER_NODE_LINK value), the engine's cost per "
+                        "collective (an 8-byte allreduce less its MPI part) and the overlap; --intra and --inter "
+                        "are then not used")
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--nics-per-node", type=int, default=1,
@@ -724,12 +865,14 @@ def main(argv=None):
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     work = load_workload(args.model, args.step_ms / 1e3, None if args.backprop_ms is None else args.backprop_ms / 1e3)
     intra, inter, overlap, printing = args.intra_link, args.inter_link, args.overlap, True
+    collective_s = 0.0
     if args.measure:
         from tf_mpi import basics
         basics.init()
         cost_model = grouping.measure_cost_model()
         if basics.cross_size() > 1:  # the probe's allreduces crossed nodes: they say nothing of the intra link
-            inter = engine_links()[1]
+            measured = measure_cluster()
+            intra, inter, collective_s = measured.intra, measured.inter, measured.collective_s
         else:
             intra = link_from_probe(cost_model, basics.size(),
                                     DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes)
@@ -738,7 +881,7 @@ def main(argv=None):
     overlap = 1.0 if overlap is None else overlap
     rows = predict_scaling(work, sorted(set(args.nodes)), args.ranks_per_node, intra, inter, overlap,
                            args.grouping, nics_per_node=args.nics_per_node, cores_per_node=args.cores_per_node,
-                           chunk_bytes=args.chunk_bytes, flat=args.flat)
+                           chunk_bytes=args.chunk_bytes, flat=args.flat, collective_s=collective_s)
     if not printing:
         return 0
     print(f"model     : {work.source}: {len(work.sizes)} gradients, {work.total_bytes / MiB:.1f} MiB ({work.total_bytes} B)")
@@ -748,6 +891,8 @@ def main(argv=None):
     print(f"intra-node: {intra}")
     print(f"inter-node: {inter}, {args.nics_per_node} NIC(s) per node"
           + (f"; TF_MPI_INTER_NODE_LINK={inter_node_link_setting(inter)}" if inter is not args.inter_link else ""))
+    if collective_s:
+        print(f"engine    : {collective_s * 1e6:.0f} us per collective besides its MPI calls (measured)")
     chunks = "the engine's default" if args.chunk_bytes is None else f"{args.chunk_bytes} B"
     print(f"MPI       : flat allreduce {args.flat} across nodes")
     print(f"engine    : chunks of {chunks}, grouping {args.grouping}"

@@ -63,8 +63,8 @@ HierarchicalChoice ChooseHierarchical(const HierarchicalSettings& s, const MpiCo
             "; larger sizes as the largest; the model's " + links + ")";
     } else {
       // Nodes the MPI library sees (real hosts) get its node-aware allreduce;
-      // TF_MPI_TOPOLOGY's pretend nodes share one host, where it runs a single level.
-      const bool pretend = mpi.topology_source().rfind("TF_MPI_TOPOLOGY", 0) == 0;
+      // TF_MPI_TOPOLOGY's nodes share one host, where it runs a single level.
+      const bool pretend = mpi.nodes_declared();
       c.window = HierarchicalWindow(nodes, per_node, s.intra, s.inter,
                                     pretend ? FlatModel::kSingleLevel : FlatModel::kNodeAware);
       why = std::string(" (alpha-beta model, flat ") + (pretend ? "single-level" : "node-aware") +

@@ -73,7 +73,7 @@ namespace tfmpi {
 bool WantsPathTimings(const HierarchicalSettings& s, const MpiContext& mpi, const HierarchicalChoice& choice) {
   // usable, cross_size() and the topology's source are the same on every rank:
   // all or none get past here, and then all take part in the reduction.
-  if (!choice.usable || mpi.topology_source().rfind("TF_MPI_TOPOLOGY", 0) == 0) return false;
+  if (!choice.usable || mpi.nodes_declared()) return false;
   int need = s.UsesModel() && !s.inter_given ? 1 : 0, any = 0;
   MPI_Allreduce(&need, &any, 1, MPI_INT, MPI_MAX, mpi.comm());
   return any != 0;

@@ -96,7 +96,7 @@ void ApplyInterNodeProbe(HierarchicalSettings* s, const MpiContext& mpi) {
   // homogeneous(), cross_size() and the topology's source are the same on every
   // rank, so all or none get past here. Nodes declared by TF_MPI_TOPOLOGY share
   // one machine: nothing crosses a network, the model keeps its figures.
-  if (!mpi.homogeneous() || mpi.cross_size() <= 1 || mpi.topology_source().rfind("TF_MPI_TOPOLOGY", 0) == 0) return;
+  if (!mpi.homogeneous() || mpi.cross_size() <= 1 || mpi.nodes_declared()) return;
   // Ranks may differ in their variables (AgreeOnChoice reports that after); the
   // probe is collective, so it runs where any rank needs it.
   int need = s->UsesModel() && !s->inter_given ? 1 : 0, any = 0;

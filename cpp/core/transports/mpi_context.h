@@ -60,6 +60,9 @@ class MpiContext {
   bool spans_hosts() const { return spans_hosts_; }
   // Where the topology came from: "TF_MPI_TOPOLOGY=2x2" or "shared memory".
   const std::string& topology_source() const { return topology_source_; }
+  // The nodes are TF_MPI_TOPOLOGY's, not hosts: the MPI library sees one host
+  // (its collectives know no nodes) and there is no network between them.
+  bool nodes_declared() const { return topology_source_.rfind("TF_MPI_TOPOLOGY", 0) == 0; }
 
   MPI_Datatype Type(DataType t) const;
   // Average is reduced as a sum; the executor divides afterwards.

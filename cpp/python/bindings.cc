@@ -51,6 +51,18 @@ const MpiContext& Ctx() {
 }
 
 DataType ToDataType(const py::dtype& dt) {
+  // By kind and size first: read from the descriptor in C, where numpy's
+  // dtype.name is Python code (~1.5 us, a third of a small collective's cost).
+  static const struct { char kind; py::ssize_t size; DataType type; } by_kind[] = {
+      {'u', 1, DataType::kUInt8},   {'i', 1, DataType::kInt8},    {'i', 2, DataType::kInt16},
+      {'u', 2, DataType::kUInt16},  {'i', 4, DataType::kInt32},   {'i', 8, DataType::kInt64},
+      {'f', 2, DataType::kFloat16}, {'f', 4, DataType::kFloat32}, {'f', 8, DataType::kFloat64},
+      {'b', 1, DataType::kBool}};
+  const char kind = dt.kind();
+  const py::ssize_t size = dt.itemsize();
+  for (const auto& k : by_kind)
+    if (k.kind == kind && k.size == size) return k.type;
+  // Types numpy does not know by kind (ml_dtypes' bfloat16 is kind 'V'), and the error.
   const std::string name = py::str(dt.attr("name"));
   static const std::pair<const char*, DataType> table[] = {
       {"uint8", DataType::kUInt8},     {"int8", DataType::kInt8},         {"int32", DataType::kInt32},
@@ -227,6 +239,13 @@ std::unique_ptr<Request> Prepare(CollectiveType type, const std::string& name, p
   }
   in = py::array::ensure(in, py::array::c_style);
   if (!in) throw py::type_error("tf_mpi: expected a numpy array or an object with __cuda_array_interface__");
+  // The engine reduces in this machine's byte order: a swapped array ('>f4' on
+  // x86) is converted (and its result comes back in the native order).
+  const char order = py::array(in).dtype().byteorder();
+  const uint16_t probe = 1;
+  const bool little = *reinterpret_cast<const uint8_t*>(&probe) == 1;
+  const bool swapped = order == (little ? '>' : '<');  // '=' (native) and '|' (no order) are fine
+  if (swapped) in = in.attr("astype")(py::array(in).dtype().attr("newbyteorder")("="));
   return MakeRequest(type, name, in.cast<py::array>());
 }
 

@@ -360,6 +360,13 @@ def check_numpy_collectives_through_the_binding():
         y = _core.allreduce(x, hvd.Sum, f"np.{np.dtype(dt).name}")
         assert y.dtype == x.dtype and y.shape == x.shape
         assert np.array_equal(y.astype(np.float64), reference(hvd.Sum, (4, 3))), np.dtype(dt).name
+    # Other spellings of the same types: int64 as C long long, and the non-native byte order
+    # (reduced in the native one, its result native).
+    for spelling in ("q", ">f4", ">i8", ">f2"):
+        x = values(R, (4, 3)).astype(spelling)
+        y = _core.allreduce(x, hvd.Sum, f"np.{spelling}")
+        assert y.dtype == x.dtype.newbyteorder("=") and y.dtype.isnative, (spelling, y.dtype)
+        assert np.array_equal(y.astype(np.float64), reference(hvd.Sum, (4, 3))), spelling
     g = _core.allgather(np.full((R + 1, 2), R, np.int64), "np.gather")
     assert np.array_equal(g[:, 0], np.concatenate([np.full(r + 1, r) for r in range(N)]))
     b = _core.broadcast(np.array([R, R], np.float32), N - 1, "np.bcast")
@@ -369,6 +376,11 @@ def check_numpy_collectives_through_the_binding():
         raise AssertionError("no error for complex")
     except TypeError as e:
         assert "unsupported dtype" in str(e)
+    try:
+        _core.allreduce(np.ones(2, np.uint32), hvd.Sum, "np.bad.uint32")
+        raise AssertionError("no error for uint32")
+    except TypeError as e:
+        assert "unsupported dtype uint32" in str(e)
 
 
 def check_large_tensors_and_many_chunks():

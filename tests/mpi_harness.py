@@ -525,6 +525,23 @@ def shared_launches(worker, env=None, timeout=300, long=False):
     return launch
 
 
+# The settings of most worker launches: a collective that some ranks never submit fails after
+# 30 s instead of hanging the launch, and no start-up overlap probe (the grouping plan is not
+# what their checks test).
+BOUNDED_STALL_ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30",
+                     "TF_MPI_OVERLAP": "0"}
+
+
+def joint_launches_by_np(name, worker, nps, env=None):
+    """launch(np, start=False): section `name` (tests/workers/<worker>) of the joint launch
+    "np<N>" for each np in nps (joint_launch), for a module whose tests are parametrized by np."""
+    launches = {np: joint_launch(f"np{np}", np, name, worker, env=env) for np in nps}
+
+    def launch(np, start=False):
+        return launches[np](start=start)
+    return launch
+
+
 def prefetch_by_np(launch):
     """prefetch(items) for a module whose tests are parametrized by np and check launch(np)."""
     def prefetch(items):

@@ -10,16 +10,12 @@ modules' workers join (mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch, params_of, selected_tests, shared_launches
+from mpi_harness import assert_check, check_names, joint_launches_by_np, params_of, selected_tests, shared_launches
 
 WORKER = "compression_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-LAUNCHES = {np: joint_launch(f"np{np}", np, "compression", WORKER, env=ENV) for np in (2, 3)}
-
-
-def launch(np, start=False):
-    return LAUNCHES[np](start=start)
+launch = joint_launches_by_np("compression", WORKER, (2, 3), env=ENV)
 
 
 # 5 ranks: one past the largest power of two (4) and two rounds inside it; rank 4 gets the

@@ -31,11 +31,8 @@ engine shut down between them); each worker's checks keep their own results.
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch
+from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, joint_launch
 
-# A collective that some ranks never submit fails after 30 s instead of hanging the launch; no
-# start-up overlap probe for the gradient tapes (not what is tested here).
-ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
 # worker -> world sizes
 WORKERS = {
     "optimizer_compat_worker.py": [2],
@@ -49,7 +46,7 @@ SIZES = sorted({np for sizes in WORKERS.values() for np in sizes})
 
 
 CASES = [(worker, np) for worker, sizes in WORKERS.items() for np in sizes]
-LAUNCHES = {(worker, np): joint_launch(f"np{np}", np, worker, worker, env=ENV) for worker, np in CASES}
+LAUNCHES = {(worker, np): joint_launch(f"np{np}", np, worker, worker, env=BOUNDED_STALL_ENV) for worker, np in CASES}
 
 
 def prefetch(items):

@@ -10,18 +10,10 @@ of the launch of that size that other modules' workers join (mpi_harness.joint_l
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np
+from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, joint_launches_by_np, prefetch_by_np
 
 WORKER = "horovod_compat_worker.py"
-# A collective that some ranks never submit fails after 30 s instead of hanging the launch.
-ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30",
-       "TF_MPI_OVERLAP": "0"}  # no start-up overlap probe for the gradient tapes (not what is tested here)
-LAUNCHES = {np: joint_launch(f"np{np}", np, "horovod_compat", WORKER, env=ENV) for np in (2, 3)}
-
-
-def launch(np, start=False):
-    return LAUNCHES[np](start=start)
-
+launch = joint_launches_by_np("horovod_compat", WORKER, (2, 3), env=BOUNDED_STALL_ENV)
 
 prefetch = prefetch_by_np(launch)
 

@@ -8,12 +8,10 @@ backward_passes_per_step), eager execution, and the dispatch / refusals of Distr
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch
+from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, joint_launch
 
 WORKER = "legacy_optimizer_worker.py"
-# A collective some rank never submits fails after 30 s instead of hanging; no overlap probe.
-ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
-launch = joint_launch("np2", 2, "legacy_optimizer", WORKER, env=ENV)
+launch = joint_launch("np2", 2, "legacy_optimizer", WORKER, env=BOUNDED_STALL_ENV)
 
 
 def prefetch(items):

@@ -10,18 +10,10 @@ join (mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np
+from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, joint_launches_by_np, prefetch_by_np
 
 WORKER = "sparse_worker.py"
-# A collective that some ranks never submit fails after 30 s instead of hanging the launch;
-# no start-up overlap probe (the grouping plan is not what is tested here).
-ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "30", "TF_MPI_OVERLAP": "0"}
-LAUNCHES = {np: joint_launch(f"np{np}", np, "sparse", WORKER, env=ENV) for np in (2, 3)}
-
-
-def launch(np, start=False):
-    return LAUNCHES[np](start=start)
-
+launch = joint_launches_by_np("sparse", WORKER, (2, 3), env=BOUNDED_STALL_ENV)
 
 prefetch = prefetch_by_np(launch)
 

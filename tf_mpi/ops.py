@@ -579,16 +579,25 @@ def _upstream(grads, outputs):
 # Every rank submits the same collectives, whatever its rank (no rank-dependent branches).
 # Each runs in the process set of the forward op (size() and rank() are the set's).
 
+def _averaged_upstream(op, grads):
+    """(indices of op's differentiable inputs, the Average over the process set of their upstream
+    gradients, one grouped allreduce): the first step of the broadcast and allgather gradients."""
+    idx = [i for i, x in enumerate(op.inputs) if _differentiable(x)]
+    if not idx:
+        return idx, []
+    upstream = _upstream([grads[i] for i in idx], [op.outputs[i] for i in idx])
+    return idx, _lib.tf_mpi_grouped_allreduce(upstream, reduce_op=Average,
+                                              process_set_id=op.get_attr("process_set_id"))
+
+
 @tf.RegisterGradient("TfMpiAllgather")
 def _allgather_grad(op, *grads):
     xs = list(op.inputs)
-    idx = [i for i, x in enumerate(xs) if _differentiable(x)]
     out = [None] * len(xs)
+    idx, averaged = _averaged_upstream(op, grads)
     if not idx:
         return out
     set_id = op.get_attr("process_set_id")
-    upstream = _upstream([grads[i] for i in idx], [op.outputs[i] for i in idx])
-    averaged = _lib.tf_mpi_grouped_allreduce(upstream, reduce_op=Average, process_set_id=set_id)
     rows = _lib.tf_mpi_allgather([tf.shape(xs[i], out_type=tf.int64)[:1] for i in idx], process_set_id=set_id)
     me = rank_op() if set_id == 0 else process_sets.set_rank_of(set_id, basics.rank(), "rank")
     for i, g, r in zip(idx, averaged, rows):
@@ -618,14 +627,11 @@ def _reducescatter_grad(op, *grads):
 
 @tf.RegisterGradient("TfMpiBroadcast")
 def _broadcast_grad(op, *grads):
-    xs = list(op.inputs)
-    idx = [i for i, x in enumerate(xs) if _differentiable(x)]
-    out = [None] * len(xs)
+    out = [None] * len(op.inputs)
+    idx, averaged = _averaged_upstream(op, grads)
     if not idx:
         return out
     set_id = op.get_attr("process_set_id")
-    averaged = _lib.tf_mpi_grouped_allreduce(_upstream([grads[i] for i in idx], [op.outputs[i] for i in idx]),
-                                             reduce_op=Average, process_set_id=set_id)
     root = op.get_attr("root_rank")   # the set's own rank of the root
     keep = (basics.rank() == root) if set_id == 0 else process_sets.set_rank_of(set_id, basics.rank(), "rank") == root
     for i, g in zip(idx, averaged):

@@ -478,8 +478,11 @@ def fit_link_rates(timed, nodes, ranks_per_node, intra, inter, flat="node-aware"
             replace(inter, beta=float(inter_beta), description="rate fitted to both paths' start-up timings"))
 
 
-def calibrated_cluster(nodes, ranks_per_node, intra, inter, timed=None, engine_s=None, engine_bytes=8,
-                       engine_hierarchical=False, flat="node-aware"):
+ENGINE_PROBE_BYTES = 8  # the allreduce measure_cluster prices the engine's cost per collective with
+
+
+def calibrated_cluster(nodes, ranks_per_node, intra, inter, timed=None, engine_s=None,
+                       engine_bytes=ENGINE_PROBE_BYTES, engine_hierarchical=False, flat="node-aware"):
     """The Cluster of a running job, calibrated on what it measured: the links' rates fitted to the
     start-up timings of both paths (``fit_link_rates``; the links as given where there are none),
     and ``collective_s`` = ``engine_s``, the time of one allreduce of ``engine_bytes`` through the
@@ -497,9 +500,6 @@ def calibrated_cluster(nodes, ranks_per_node, intra, inter, timed=None, engine_s
         mpi_part = group_time([engine_bytes], cluster, engine_hierarchical)
         cluster = replace(cluster, collective_s=max(0.0, engine_s - mpi_part))
     return cluster
-
-
-ENGINE_PROBE_BYTES = 8
 
 
 def measure_engine_seconds(nbytes=ENGINE_PROBE_BYTES, repeats=31):

@@ -136,7 +136,7 @@ def main():
         print(f"# auto (last round): {auto['summary']}")
         print(f"# links (median of {len(autos)} auto rounds): intra {auto['intra_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['intra_beta_s']:.3g} GB/s; "
               f"inter {auto['inter_alpha_s'] * 1e6:.1f} us, {1e-9 / auto['inter_beta_s']:.3g} GB/s")
-        print(f"# model: the engine's (auto's); predict: tf_mpi.predict's, both with the links above")
+        print("# model: the engine's (auto's); predict: tf_mpi.predict's, both with the links above")
         print(f"{'bytes':>10} {'K':>4} {'flat ms':>9} {'model':>9} {'predict':>9} {'hier ms':>9} {'model':>9} "
               f"{'predict':>9} {'hier/flat (min-max)':>20} {'model':>6} {'auto ms':>9} {'auto/best':>9}")
         rows = []
@@ -148,8 +148,7 @@ def main():
             rows.append({"bytes": b, "k": ks[b], "flat_s": flat, "hierarchical_s": hier, "auto_s": times[("auto", b)],
                          "flat_median_s": med[("0", b)], "hierarchical_median_s": med[("1", b)],
                          "auto_median_s": med[("auto", b)], "auto_over_best": auto_over_best,
-                         "auto_hierarchical": bool(auto["usable"] and auto["min_bytes"] <= b and
-                                                   (auto["max_bytes"] is None or b < auto["max_bytes"])),
+                         "auto_hierarchical": predict.goes_hierarchical(auto, b),
                          "model_flat_s": model["flat_s"], "model_hierarchical_s": model["hierarchical_s"],
                          "predict_flat_s": model["predict_flat_s"],
                          "predict_hierarchical_s": model["predict_hierarchical_s"]})

@@ -62,9 +62,8 @@ def calibration(rec):
         timed[key] = [statistics.median(r["timed"][key][i] for r in rounds) for i in range(n)]
     engine_s = statistics.median(r["engine_s"] for r in rounds)
     small = predict.ENGINE_PROBE_BYTES
-    hierarchical = bool(a["usable"] and a["min_bytes"] <= small and (a["max_bytes"] is None or small < a["max_bytes"]))
     cluster = predict.calibrated_cluster(rec["nodes"], rec["ranks_per_node"], intra, probe, timed, engine_s, small,
-                                         hierarchical)
+                                         predict.goes_hierarchical(a, small))
     return cluster, "calibrated"
 
 

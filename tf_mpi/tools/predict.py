@@ -541,11 +541,18 @@ def measure_cluster(repeats=31):
     h = _core.hierarchical()
     intra, inter = engine_links()
     engine_s = measure_engine_seconds(ENGINE_PROBE_BYTES, repeats)
-    window = (h["min_bytes"], h["max_bytes"])
-    hierarchical = bool(h["usable"] and window[0] <= ENGINE_PROBE_BYTES and
-                        (window[1] is None or ENGINE_PROBE_BYTES < window[1]))
     return calibrated_cluster(_core.cross_size(), _core.local_size(), intra, inter, h["timed"], engine_s,
-                              ENGINE_PROBE_BYTES, hierarchical)
+                              ENGINE_PROBE_BYTES, goes_hierarchical(h, ENGINE_PROBE_BYTES))
+
+
+def goes_hierarchical(choice, nbytes):
+    """Whether an allreduce buffer of ``nbytes`` takes the hierarchical path under ``choice``,
+    a ``tf_mpi._core.hierarchical()`` dict (its window [min_bytes, max_bytes), None: no upper end).
+
+    Example: ``goes_hierarchical(_core.hierarchical(), 4 << 20)``
+    """
+    return bool(choice["usable"] and choice["min_bytes"] <= nbytes and
+                (choice["max_bytes"] is None or nbytes < choice["max_bytes"]))
 
 
 # ----------------------------------------------------------------------------- the workload

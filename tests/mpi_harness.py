@@ -222,10 +222,15 @@ def process_alive(pid):
         return False
 
 
+RANK_SITE = os.path.join(HERE, "rank_site")  # its sitecustomize keeps Keras' plotting import out of the ranks
+
+
 def launch_env(extra=None):
-    """Environment for launched ranks: Open MPI as root allowed, quiet TensorFlow, unbuffered output."""
+    """Environment for launched ranks: Open MPI as root allowed, quiet TensorFlow, unbuffered output,
+    tests/rank_site first on PYTHONPATH."""
     env = mpirun_env()
-    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (RANK_SITE, env.get("PYTHONPATH")) if p)})
     env.update(extra or {})
     return env
 

@@ -222,7 +222,7 @@ def process_alive(pid):
         return False
 
 
-RANK_SITE = os.path.join(HERE, "rank_site")  # its sitecustomize keeps Keras' plotting import out of the ranks
+RANK_SITE = os.path.join(HERE, "rank_site")  # its sitecustomize makes TensorFlow's import and the exit cheaper
 
 
 def launch_env(extra=None):
@@ -265,7 +265,7 @@ def run_mpi(np, worker, timeout, env=None, args=()):
 
 # ----------------------------------------------------------------------------- several workers in one launch
 #
-# Each launch pays TensorFlow's import on every rank (~4-5 s of CPU per rank) and mpirun's start
+# Each launch pays TensorFlow's import on every rank (~2 s of CPU per rank with tests/rank_site) and mpirun's start
 # and exit; workers that need the same world size and settings can share one launch instead:
 # tests/workers/_sections.py runs them one after the other, each as if launched alone (its own
 # environment, argv and results folder), with the engine shut down and every rank met in between.

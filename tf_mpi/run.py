@@ -105,10 +105,11 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
 - Relaunching to take in more hosts: ranks are spawned only onto hosts ``mpirun`` was given at
   launch that run ranks of the job (``tf_mpi.membership.hosts_to_relaunch_with``). When the
   discovery script lists another host while the job is below ``--max-np``, ``hvd.elastic``'s
-  ranks end at the next commit (marking themselves finished with ``relaunch``), and the launcher starts the job again on the hosts the script lists then, with
-  ``min(their slots, --max-np)`` ranks, resuming from that commit. Such relaunches do not count
-  against ``--max-restarts``. A job with a discovery script whose first host is this one gets the
-  default checkpoint directory for this.
+  ranks end at the next commit (marking themselves finished with ``relaunch``), and the launcher
+  starts the job again on the hosts the script lists then, with ``min(their slots, --max-np)``
+  ranks, resuming from that commit. Such relaunches do not count against ``--max-restarts``. A
+  job with a discovery script whose first host is this one gets the default checkpoint directory
+  for this.
 
 It does not import TensorFlow.
 """

@@ -10,9 +10,9 @@ few seconds of work), and most of that is TensorFlow's import and the interprete
   An import of matplotlib made directly by a module of keras.src.visualization is refused, which
   Keras handles (its plotting module becomes None); every other import of matplotlib, by tf_mpi's
   tools or an example, goes through as usual.
-- Python's cyclic garbage collector walks the millions of objects the import creates, several
-  times while it runs and again at exit: about 1.5 s of CPU per process (measured: `import
-  tensorflow` then exit, 3.3-3.7 s of CPU, 2.0-2.3 s with this). The collector is paused while
+- Python's cyclic garbage collector walks the ~500,000 objects the import creates, several times
+  while it runs and again at exit: about 1.2 s of CPU per process (measured: `import tensorflow`
+  then exit, 3.2-3.8 s of CPU with only the refusal above, 2.0-2.3 s with this too). The collector is paused while
   `tensorflow` is imported, and what the import created is then frozen (gc.freeze: left out of
   later collections; reference counting still frees it); the collector then runs as usual for
   everything created afterwards.

@@ -282,7 +282,8 @@ def section(name, worker, args=(), env=None):
 
 def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=False, start=False, long=True):
     """shared_launch of tests/workers/_sections.py running `sections` (a list of section(...)) on np
-    ranks; the whole launch, whose run.section(name) is each section's run. Long by default."""
+    ranks; the whole launch, whose run.section(name) is each section's run. Long by default (long: True
+    or the seconds it is expected to take, see release_starts)."""
     return shared_launch(np, SECTIONS_WORKER, timeout=timeout, env=env, args=[json.dumps(sections)], heavy=heavy,
                          alone=alone, start=start, long=long)
 
@@ -290,22 +291,25 @@ def sections_launch(np, sections, timeout=300, env=None, heavy=False, alone=Fals
 # Test modules share such a launch: each module joins it at import with its own section(s), and
 # the launch runs the sections of every module collected in the session (a module run alone runs
 # only its own). Its key is its full list of sections, complete once collection has ended.
-_joint = {}  # (group, np) -> {section name: (last, section, time limit)}
+_joint = {}  # (group, np) -> {section name: (last, section, time limit, heavy, expected seconds)}
 
 
-def joint_launch(group, np, name, worker, args=(), env=None, timeout=300, last=False, heavy=False):
+def joint_launch(group, np, name, worker, args=(), env=None, timeout=300, last=False, heavy=False, expected_s=5):
     """Joins section `name` (section(name, worker, args, env)) to the launch `group` on np ranks;
     returns launch(start=False): that section's run of the launch (start=True: starts the launch).
     Sections run in the order their modules were collected, those with last=True at the end (e.g. a
     check of what happens at process exit); the launch's time limit is its sections' sum (<= 900 s).
-    heavy=True (a section that needs several GiB of memory): the launch is heavy (shared_launch)."""
+    heavy=True (a section that needs several GiB of memory): the launch is heavy (shared_launch).
+    expected_s: about how long the section runs on a busy 2-core machine; only the order in which
+    the sections launches start depends on it (their sum: the longest first, see release_starts)."""
     entry = _joint.setdefault((group, np), {})
-    entry[name] = (last, section(name, worker, args, env), timeout, heavy)
+    entry[name] = (last, section(name, worker, args, env), timeout, heavy, expected_s)
 
     def launch(start=False):
         parts = sorted(entry.values(), key=lambda part: part[0])  # stable: collection order, last ones last
         run = sections_launch(np, [part[1] for part in parts], timeout=min(900, sum(part[2] for part in parts)),
-                              heavy=any(part[3] for part in parts), start=start)
+                              heavy=any(part[3] for part in parts), start=start,
+                              long=sum(part[4] for part in parts))
         return run if start else run.section(name)
     return launch
 
@@ -455,14 +459,15 @@ def hold_starts():
 
 def release_starts():
     """Queues the launches given since hold_starts(): those marked long first (so that the longest
-    do not start last and end the session alone), sections launches first among them, the others
-    in the order they were given."""
+    do not start last and end the session alone), sections launches first among them, the longest
+    of those first (long: their expected seconds), the others in the order they were given."""
     global _held
     held, _held = _held or [], None
     # Among the long ones the sections (joint) launches come first: they are the longest (the np=2
-    # one of the Keras, runtime and shared-memory sections takes ~150 s and, queued behind the
-    # elastic scenarios, was the last launch of the session to end).
-    for _, _, _, job in sorted(held, key=lambda h: (not h[0], not h[1], h[2])):
+    # one of the Keras, runtime and shared-memory sections takes ~120 s and, queued behind the
+    # others, was the last of them to end, ~100 s after the rest).
+    order = sorted(held, key=lambda h: (not h[0], not h[1], -float(h[0]) if h[1] else 0, h[2]))
+    for _, _, _, job in order:
         _executor().submit(job.run)
 
 
@@ -537,13 +542,26 @@ BOUNDED_STALL_ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUT
                      "TF_MPI_OVERLAP": "0"}
 
 
-def joint_launches_by_np(name, worker, nps, env=None):
+def joint_launches_by_np(name, worker, nps, env=None, only_at=None):
     """launch(np, start=False): section `name` (tests/workers/<worker>) of the joint launch
-    "np<N>" for each np in nps (joint_launch), for a module whose tests are parametrized by np."""
-    launches = {np: joint_launch(f"np{np}", np, name, worker, env=env) for np in nps}
+    "np<N>" for each np in nps (joint_launch), for a module whose tests are parametrized by np.
+
+    only_at: {check: world sizes} for checks that run at those sizes only (the other sizes' sections
+    leave them out: TF_MPI_TEST_EXCEPT). launch.cases lists the (np, check) pairs that run, for
+    pytest.mark.parametrize("np,check", launch.cases)."""
+    only_at = only_at or {}
+    names = check_names(worker)
+    unknown = sorted(set(only_at) - set(names))
+    assert not unknown, f"{worker} has no checks {unknown}"
+
+    def env_at(np):
+        left_out = [check for check, sizes in only_at.items() if np not in sizes]
+        return {**(env or {}), **({"TF_MPI_TEST_EXCEPT": ",".join(left_out)} if left_out else {})}
+    launches = {np: joint_launch(f"np{np}", np, name, worker, env=env_at(np)) for np in nps}
 
     def launch(np, start=False):
         return launches[np](start=start)
+    launch.cases = [(np, check) for np in nps for check in names if np in only_at.get(check, nps)]
     return launch
 
 

@@ -20,7 +20,7 @@ CONFIGS = {
 
 
 # np=2 allocates 2 x 4 GiB (TF_MPI_TEST_BIG): its launch never runs beside another one that needs as much.
-LAUNCHES = {2: joint_launch("np2", 2, "allreduce", WORKER, env=CONFIGS[2], timeout=420, heavy=True),
+LAUNCHES = {2: joint_launch("np2", 2, "allreduce", WORKER, env=CONFIGS[2], timeout=420, heavy=True, expected_s=25),
             3: joint_launch("np3", 3, "allreduce", WORKER, env=CONFIGS[3], timeout=240)}
 
 

@@ -11,7 +11,7 @@ from mpi_harness import assert_check, joint_launch
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "3"}
 
 
-launch = joint_launch("np2", 2, "fuzz", "fuzz_worker.py", env=ENV, timeout=240)
+launch = joint_launch("np2", 2, "fuzz", "fuzz_worker.py", env=ENV, timeout=240, expected_s=15)
 
 
 def prefetch(items):

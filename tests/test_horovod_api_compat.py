@@ -36,7 +36,7 @@ from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, joint_laun
 # worker -> world sizes
 WORKERS = {
     "optimizer_compat_worker.py": [2],
-    "keras_callbacks_compat_worker.py": [2, 3],
+    "keras_callbacks_compat_worker.py": [2],
     "elastic_keras_compat_worker.py": [2],
     "adasum_worker.py": [2, 3, 4],
     "process_sets_worker.py": [2, 4],

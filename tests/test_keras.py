@@ -9,7 +9,7 @@ from mpi_harness import assert_check, check_names, joint_launch
 
 WORKER = "keras_worker.py"
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "90"}
-launch = joint_launch("np2b", 2, "keras", WORKER, env=ENV, timeout=600)
+launch = joint_launch("np2b", 2, "keras", WORKER, env=ENV, timeout=600, expected_s=70)
 
 
 def prefetch(items):

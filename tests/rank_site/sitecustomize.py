@@ -5,11 +5,14 @@ start and to end. Nothing here changes what a rank computes.
 Most of the test suite's CPU time is ranks starting and ending (some 200 of them per run, each a
 few seconds of work), and most of that is TensorFlow's import and the interpreter's exit:
 
-- TensorFlow imports Keras, and Keras' plotting helpers import matplotlib.pyplot when matplotlib
-  is installed (tf_mpi's timeline plot needs it): about 0.3 s of CPU for helpers no rank calls.
-  An import of matplotlib made directly by a module of keras.src.visualization is refused, which
-  Keras handles (its plotting module becomes None); every other import of matplotlib, by tf_mpi's
-  tools or an example, goes through as usual.
+- TensorFlow's import pulls in optional packages for helpers no rank calls, each imported inside
+  `try: ... except ImportError` by the module that wants it: Keras' plotting helpers import
+  matplotlib.pyplot (installed for tf_mpi's timeline plot; ~0.3 s of CPU), Keras' notebook
+  detection IPython (~0.16 s where IPython is installed), the legacy tf.keras engine scipy.sparse
+  (~0.09 s). An import of one of these made directly by the
+  module named in _OPTIONAL below is refused, which that module handles (it sets the name to None);
+  every other import of the same package, by tf_mpi's tools, a test or an example, goes through as
+  usual.
 - Python's cyclic garbage collector walks the ~500,000 objects the import creates, several times
   while it runs and again at exit: about 1.2 s of CPU per process (measured: `import tensorflow`
   then exit, 3.2-3.8 s of CPU with only the refusal above, 2.0-2.3 s with this too). The collector is paused while
@@ -20,7 +23,12 @@ few seconds of work), and most of that is TensorFlow's import and the interprete
 import gc
 import sys
 
-_PLOTTING = "keras.src.visualization"
+# package -> the modules (or module prefixes) whose own `import package` is refused
+_OPTIONAL = {
+    "matplotlib": ("keras.src.visualization",),
+    "IPython": ("keras.src.saving.file_editor",),
+    "scipy": ("tensorflow.python.keras.engine.training_v1", "tensorflow.python.keras.engine.training_arrays_v1"),
+}
 
 
 class _StartUpFinder:
@@ -30,20 +38,21 @@ class _StartUpFinder:
         self._finding_tensorflow = False
 
     def find_spec(self, name, path=None, target=None):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            self._refuse_for_keras_plotting(name)
+        refused_for = _OPTIONAL.get(name.partition(".")[0])
+        if refused_for:
+            self._refuse_if_imported_by(refused_for, name)
             return None
         if name == "tensorflow" and not self._finding_tensorflow:
             return self._tensorflow_spec()
         return None
 
     @staticmethod
-    def _refuse_for_keras_plotting(name):
+    def _refuse_if_imported_by(importers, name):
         frame = sys._getframe(2)
         while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
             frame = frame.f_back
         importer = frame.f_globals.get("__name__", "") if frame is not None else ""
-        if importer.startswith(_PLOTTING):
+        if importer.startswith(importers):
             raise ImportError(f"{name} is not imported for {importer} in test ranks (tests/rank_site)")
 
     def _tensorflow_spec(self):

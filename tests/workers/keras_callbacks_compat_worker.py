@@ -1,5 +1,6 @@
 """Horovod 0.28.1 semantics of the Keras callbacks (tf_mpi.keras.callbacks), run on every rank
-by tests/test_horovod_api_compat.py at np=2 and np=3.
+by tests/test_horovod_api_compat.py at np=2 (the callbacks run the same code at every world size;
+the broadcasts under them are checked at np=2 and np=3 by tests/test_collectives.py).
 
 Learning rates are compared with the formulas of Horovod's _keras/callbacks.py, written out
 here (a number as multiplier decays as m ** (epoch - start_epoch); per batch the epoch is

@@ -6,9 +6,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <future>
+#include <condition_variable>
 #include <limits>
 #include <memory>
+#include <mutex>
 
 #include "common/logging.h"
 #include "engine/engine.h"
@@ -194,17 +195,41 @@ std::unique_ptr<Request> MakeGpuRequest(CollectiveType type, const std::string& 
   return req;
 }
 
+// One request's completion, waited for by the thread that submitted it. Not std::promise: its
+// set_value runs std::call_once, whose glibc implementation makes a futex system call on every
+// use even with no one waiting, and a small request is usually completed by the submitting thread
+// itself (the engine runs it inline) before anyone waits.
+class Completion {
+ public:
+  void Set(const Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = s;
+    done_ = true;
+    cv_.notify_one();  // under the lock: the waiter may destroy *this as soon as it sees done_
+  }
+  Status Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+};
+
 // Submits one request to process set `set` and blocks (without the GIL) until it completes.
 void Run(std::unique_ptr<Request> req, int set = 0) {
   std::shared_ptr<Engine> engine = SetEngine(set);
-  auto promise = std::make_shared<std::promise<Status>>();
-  auto future = promise->get_future();
-  req->done = [promise](const Status& s) { promise->set_value(s); };
+  auto completion = std::make_shared<Completion>();
+  req->done = [completion](const Status& s) { completion->Set(s); };
   Status s;
   {
     py::gil_scoped_release release;
     s = engine->Enqueue(std::move(req));
-    if (s.ok()) s = future.get();
+    if (s.ok()) s = completion->Wait();
   }
   Raise(s);
 }

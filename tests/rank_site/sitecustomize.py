@@ -9,17 +9,21 @@ few seconds of work), and most of that is TensorFlow's import and the interprete
   `try: ... except ImportError` by the module that wants it: Keras' plotting helpers import
   matplotlib.pyplot (installed for tf_mpi's timeline plot; ~0.3 s of CPU), Keras' notebook
   detection IPython (~0.16 s where IPython is installed), the legacy tf.keras engine scipy.sparse
-  (~0.09 s). An import of one of these made directly by the
-  module named in _OPTIONAL below is refused, which that module handles (it sets the name to None);
-  every other import of the same package, by tf_mpi's tools, a test or an example, goes through as
-  usual.
+  (~0.09 s). An import of one of these made directly by the module named in _OPTIONAL below is
+  refused, which that module handles (it sets the name to None); every other import of the same
+  package, by tf_mpi's tools, a test or an example, goes through as usual.
 - Python's cyclic garbage collector walks the ~500,000 objects the import creates, several times
   while it runs and again at exit: about 1.2 s of CPU per process (measured: `import tensorflow`
-  then exit, 3.2-3.8 s of CPU with only the refusal above, 2.0-2.3 s with this too). The collector is paused while
-  `tensorflow` is imported, and what the import created is then frozen (gc.freeze: left out of
-  later collections; reference counting still frees it); the collector then runs as usual for
-  everything created afterwards.
+  then exit, 3.2-3.8 s of CPU with only the plotting refusal, 2.0-2.3 s with this too). The
+  collector is paused while `tensorflow` is imported, and what the import created is then frozen
+  (gc.freeze: left out of later collections; reference counting still frees it); the collector
+  then runs as usual for everything created afterwards.
+- TensorFlow's generated op modules declare ~18,000 TypeVar constraints as strings naming a few
+  dtypes ("_atypes.Float32", ...), and typing compiles each string anew: ~0.1 s of CPU. While
+  `tensorflow` is imported, typing's ForwardRef reuses the code object of a string compiled before
+  (code objects are immutable); afterwards typing uses the builtin compile again.
 """
+import functools
 import gc
 import sys
 
@@ -29,6 +33,13 @@ _OPTIONAL = {
     "IPython": ("keras.src.saving.file_editor",),
     "scipy": ("tensorflow.python.keras.engine.training_v1", "tensorflow.python.keras.engine.training_arrays_v1"),
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_once(source, filename, mode):
+    """compile() for typing.ForwardRef while TensorFlow is imported: its generated op modules name
+    the same few dtypes as strings in ~18,000 TypeVar constraints, each compiled on its own."""
+    return compile(source, filename, mode)
 
 
 class _StartUpFinder:
@@ -67,11 +78,14 @@ class _StartUpFinder:
         run_module = spec.loader.exec_module
 
         def exec_module(module):
+            import typing
             was_enabled = gc.isenabled()
             gc.disable()
+            typing.compile = _compile_once  # found before the builtin by typing.ForwardRef
             try:
                 run_module(module)
             finally:
+                del typing.compile
                 gc.freeze()
                 if was_enabled:
                     gc.enable()

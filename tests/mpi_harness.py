@@ -542,26 +542,36 @@ BOUNDED_STALL_ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "10", "TF_MPI_STALL_SHUT
                      "TF_MPI_OVERLAP": "0"}
 
 
-def joint_launches_by_np(name, worker, nps, env=None, only_at=None):
-    """launch(np, start=False): section `name` (tests/workers/<worker>) of the joint launch
-    "np<N>" for each np in nps (joint_launch), for a module whose tests are parametrized by np.
-
-    only_at: {check: world sizes} for checks that run at those sizes only (the other sizes' sections
-    leave them out: TF_MPI_TEST_EXCEPT). launch.cases lists the (np, check) pairs that run, for
-    pytest.mark.parametrize("np,check", launch.cases)."""
+def checks_at(worker, np, only_at=None):
+    """The checks of `worker` that run at world size np. only_at: {check: world sizes} for checks
+    that need a world size the others do not (e.g. a power of two, or memory only one launch has)."""
     only_at = only_at or {}
     names = check_names(worker)
     unknown = sorted(set(only_at) - set(names))
     assert not unknown, f"{worker} has no checks {unknown}"
+    return [check for check in names if np in only_at.get(check, (np,))]
 
-    def env_at(np):
-        left_out = [check for check, sizes in only_at.items() if np not in sizes]
-        return {**(env or {}), **({"TF_MPI_TEST_EXCEPT": ",".join(left_out)} if left_out else {})}
-    launches = {np: joint_launch(f"np{np}", np, name, worker, env=env_at(np)) for np in nps}
+
+def left_out_env(worker, np, only_at=None):
+    """The environment that makes a launch of `worker` at world size np leave out the checks that
+    checks_at(worker, np, only_at) does not list (TF_MPI_TEST_EXCEPT)."""
+    kept = set(checks_at(worker, np, only_at))
+    left_out = [check for check in check_names(worker) if check not in kept]
+    return {"TF_MPI_TEST_EXCEPT": ",".join(left_out)} if left_out else {}
+
+
+def joint_launches_by_np(name, worker, nps, env=None, only_at=None):
+    """launch(np, start=False): section `name` (tests/workers/<worker>) of the joint launch
+    "np<N>" for each np in nps (joint_launch), for a module whose tests are parametrized by np.
+
+    only_at: as for checks_at; launch.cases lists the (np, check) pairs that run, for
+    pytest.mark.parametrize("np,check", launch.cases)."""
+    launches = {np: joint_launch(f"np{np}", np, name, worker, env={**(env or {}), **left_out_env(worker, np, only_at)})
+                for np in nps}
 
     def launch(np, start=False):
         return launches[np](start=start)
-    launch.cases = [(np, check) for np in nps for check in names if np in only_at.get(check, nps)]
+    launch.cases = [(np, check) for np in nps for check in checks_at(worker, np, only_at)]
     return launch
 
 

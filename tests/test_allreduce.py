@@ -8,22 +8,22 @@ size that other modules' workers join (mpi_harness.joint_launch).
 """
 import pytest
 
-from mpi_harness import assert_check, check_names, joint_launch, prefetch_by_np
+from mpi_harness import assert_check, checks_at, joint_launch, left_out_env, prefetch_by_np
 
 WORKER = "allreduce_worker.py"
 # A collective that some ranks never submit fails after 60 s instead of hanging.
 STALL = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "20", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-# The count above INT_MAX needs 2 x 4 GiB: the np=2 launch only.
-BIG = "check_count_above_int_max"
 CONFIGS = {
     2: {**STALL, "TF_MPI_TEST_BIG": "1"},
-    3: {**STALL, "TF_MPI_FUSION_THRESHOLD": "0", "TF_MPI_CHUNK_BYTES": "4096", "TF_MPI_TEST_EXCEPT": BIG},
+    3: {**STALL, "TF_MPI_FUSION_THRESHOLD": "0", "TF_MPI_CHUNK_BYTES": "4096"},
 }
+ONLY_AT = {"check_count_above_int_max": (2,)}  # 2 x 4 GiB: the np=2 launch only
 
 
 # np=2 allocates 2 x 4 GiB (TF_MPI_TEST_BIG): its launch never runs beside another one that needs as much.
 LAUNCHES = {2: joint_launch("np2", 2, "allreduce", WORKER, env=CONFIGS[2], timeout=420, heavy=True, expected_s=25),
-            3: joint_launch("np3", 3, "allreduce", WORKER, env=CONFIGS[3], timeout=240)}
+            3: joint_launch("np3", 3, "allreduce", WORKER, env={**CONFIGS[3], **left_out_env(WORKER, 3, ONLY_AT)},
+                            timeout=240)}
 
 
 def launch(np, start=False):
@@ -42,7 +42,7 @@ def test_launch_exits_cleanly(np):
     assert "exited improperly" not in whole.output and "MPI_ABORT" not in whole.output, whole.describe()
 
 
-@pytest.mark.parametrize("np,check", [(np, check) for check in check_names(WORKER) for np in sorted(CONFIGS)
-                                      if np == 2 or check != BIG])
+@pytest.mark.parametrize("np,check", [(np, check) for np in sorted(CONFIGS)
+                                      for check in checks_at(WORKER, np, ONLY_AT)])
 def test_allreduce(np, check):
     assert_check(launch(np), np, check)

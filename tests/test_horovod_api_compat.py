@@ -31,7 +31,7 @@ engine shut down between them); each worker's checks keep their own results.
 """
 import pytest
 
-from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, joint_launch
+from mpi_harness import BOUNDED_STALL_ENV, assert_check, check_names, checks_at, joint_launch, left_out_env
 
 # worker -> world sizes
 WORKERS = {
@@ -46,13 +46,12 @@ SIZES = sorted({np for sizes in WORKERS.values() for np in sizes})
 
 
 CASES = [(worker, np) for worker, sizes in WORKERS.items() for np in sizes]
-# (worker, np) -> the checks that world size runs, where not all: Adasum needs a power-of-two world,
+# worker -> {check: the world sizes it runs at} where not all: Adasum needs a power-of-two world,
 # so np=3 checks Horovod's refusal only.
-ONLY = {("adasum_worker.py", 3): ["check_refusals_as_horovod"]}
+ONLY_AT = {"adasum_worker.py": {check: (2, 4) for check in check_names("adasum_worker.py")
+                                if check != "check_refusals_as_horovod"}}
 LAUNCHES = {(worker, np): joint_launch(f"np{np}", np, worker, worker,
-                                       env={**BOUNDED_STALL_ENV,
-                                            **({"TF_MPI_TEST_ONLY": ",".join(ONLY[worker, np])}
-                                               if (worker, np) in ONLY else {})})
+                                       env={**BOUNDED_STALL_ENV, **left_out_env(worker, np, ONLY_AT.get(worker))})
             for worker, np in CASES}
 
 
@@ -67,6 +66,6 @@ def test_launch_exits_cleanly(worker, np):
 
 
 @pytest.mark.parametrize("worker,np,check", [(worker, np, check) for worker, np in CASES
-                                             for check in ONLY.get((worker, np), check_names(worker))])
+                                             for check in checks_at(worker, np, ONLY_AT.get(worker))])
 def test_horovod_api_compat(worker, np, check):
     assert_check(LAUNCHES[worker, np](), np, check)

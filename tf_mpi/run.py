@@ -102,6 +102,11 @@ Elastic mode (Horovod's ``horovodrun`` flags; any of the first three turns it on
   ``TF_MPI_ELASTIC_START_TIMEOUT_SECONDS``), the launcher starts ``mpirun`` again as it was, once
   per launch (a program that fails before ``hvd.init()`` every time is not retried further); it
   counts against ``--max-restarts`` too.
+- Relaunching after a crashed ``mpirun``: when ``mpirun`` itself ended on a crash signal
+  (:data:`MPIRUN_CRASH_SIGNALS`: Open MPI 5.0.11's launcher now and then crashes while it serves
+  ``MPI_Comm_spawn`` across hosts), no rank marked a failure and the exit status above is not 0,
+  the launcher starts ``mpirun`` again as it was (same hosts, same ``-np``), resuming from the
+  last commit; it counts against ``--max-restarts``.
 - Relaunching to take in more hosts: ranks are spawned only onto hosts ``mpirun`` was given at
   launch that run ranks of the job (``tf_mpi.membership.hosts_to_relaunch_with``). When the
   discovery script lists another host while the job is below ``--max-np``, ``hvd.elastic``'s
@@ -117,6 +122,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -470,7 +476,15 @@ ELASTIC_LOCAL_ENV = {"OMPI_MCA_btl": "self,sm,tcp", "OMPI_MCA_btl_tcp_if_include
 interface between it and spawned ranks (shared memory does not connect separate jobs)."""
 
 ELASTIC_MAX_RESTARTS = 3
-"""How many times the launcher starts ``mpirun`` again after a lost host (``--max-restarts``)."""
+"""How many times the launcher starts ``mpirun`` again after a lost host or a crashed ``mpirun``
+(``--max-restarts``)."""
+
+MPIRUN_CRASH_SIGNALS = {signal.SIGSEGV: "SIGSEGV", signal.SIGABRT: "SIGABRT", signal.SIGBUS: "SIGBUS",
+                        signal.SIGILL: "SIGILL", signal.SIGFPE: "SIGFPE"}
+"""The signals that end ``mpirun`` when it crashes (not when it is asked to stop): an elastic job
+whose ``mpirun`` ends on one of them before its ranks finished is started again. Open MPI 5.0.11's
+launcher now and then crashes while it serves ``MPI_Comm_spawn`` across hosts (docs/elastic.md,
+Limits)."""
 
 ELASTIC_EXIT_GRACE_S = 20.0
 """How long the launcher lets ``mpirun`` run on once every rank of the final group has marked
@@ -843,13 +857,16 @@ def failed_at_start(marks):
     return bool(marks) and all(not m.get("ok") and m.get("stage") == "start" for m in marks)
 
 
-def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, relaunch=None, not_started=None):
+def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, relaunch=None, not_started=None,
+                crashed=None):
     """Runs an elastic job's mpirun ``argv`` and returns the exit status the marks give
     (:func:`elastic_verdict`), passing mpirun's output through (less printed marks). Where
     ``mpirun`` reported a lost host, appends the host's name (None if not named) to ``lost_hosts``
     (a list); where the job succeeded and its ranks asked to be started again
     (``mark_worker_finished(relaunch=True)``), appends True to ``relaunch`` (a list); where it
-    failed before it started (:func:`failed_at_start`), appends True to ``not_started``."""
+    failed before it started (:func:`failed_at_start`), appends True to ``not_started``; where it
+    failed because ``mpirun`` crashed (:data:`MPIRUN_CRASH_SIGNALS`) and no rank marked a failure,
+    appends the signal's number to ``crashed``."""
     grace_s = float(env.get("TF_MPI_ELASTIC_EXIT_GRACE_S", ELASTIC_EXIT_GRACE_S) if grace_s is None else grace_s)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     printed, said = [], {1: [], 2: []}   # mpirun's output from a lost-host report on, per stream
@@ -913,6 +930,9 @@ def run_elastic(argv, env, min_np, status_dir, grace_s=None, lost_hosts=None, re
         relaunch.append(True)
     if status != 0 and failed_at_start(marks) and not_started is not None:
         not_started.append(True)
+    if (status != 0 and crashed is not None and not ended_by_us and -rc in MPIRUN_CRASH_SIGNALS
+            and all(m.get("ok") for m in marks)):
+        crashed.append(-rc)
     if lost.is_set():
         why += "; mpirun lost a host, which ends an Open MPI job (see its message above)"
         if lost_hosts is not None:
@@ -986,9 +1006,9 @@ def _main_elastic(settings, argv):
             except RuntimeError as e:
                 sys.stderr.write(f"tf_mpi.run: {e}\n")
                 return 2 if restart == 0 else 1
-            lost, grow, not_started = [], [], []
+            lost, grow, not_started, crashed = [], [], [], []
             status = run_elastic(cmd, env, settings["min_np"], status_dir, lost_hosts=lost, relaunch=grow,
-                                 not_started=not_started)
+                                 not_started=not_started, crashed=crashed)
             if status == 0 and grow and settings["discovery"]:
                 # The ranks ended at a commit because the discovery script lists hosts this job
                 # could not start ranks on (Open MPI spawns only onto hosts given at launch):
@@ -1012,6 +1032,15 @@ def _main_elastic(settings, argv):
                                  f"(once for a failed start)"
                                  f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
                 start_relaunched = True
+                restart += 1
+                continue
+            if status != 0 and crashed and not lost and restart < max_restarts:
+                # mpirun itself crashed (Open MPI 5.0.11's launcher now and then does while it
+                # serves a spawn across hosts) and took the job with it; no rank failed: start it
+                # again as it was, resuming from the last commit.
+                sys.stderr.write(f"tf_mpi.run: mpirun crashed ({MPIRUN_CRASH_SIGNALS[crashed[0]]}): "
+                                 f"relaunch {restart + 1} of {max_restarts} on the same hosts"
+                                 f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
                 restart += 1
                 continue
             if status == 0 or not lost or restart == max_restarts:

@@ -40,6 +40,10 @@ def format_table(summary):
                 notes.append(f"raw MPI_Allreduce in the same loop {e['raw_mpi_cost_us']:+.1f} us "
                              f"[{e['raw_mpi_cost_us_spread']['min']:+.1f}, {e['raw_mpi_cost_us_spread']['max']:+.1f}], "
                              f"tf_mpi beyond it {e['cost_over_raw_mpi_us']:+.1f} us")
+            if "async_raw_mpi_cost_us" in e:
+                notes.append(f"TensorFlow's own asynchronous op (FIFOQueue dequeue) {e['async_op_cost_us']:+.1f} us, "
+                             f"with the raw MPI_Allreduce after it {e['async_raw_mpi_cost_us']:+.1f} us, "
+                             f"tf_mpi beyond both {e['cost_over_async_raw_mpi_us']:+.1f} us")
         per_step = e.get("engine_per_step")
         if per_step:
             notes.append(f"rank 0 per step: {per_step['requests']:g} collectives, "

@@ -62,8 +62,11 @@ def summarize_rounds(results):
         if steals:
             entry["cpu_steal_share"] = spread(steals)
         # cost_us: a callcost launch's 1 KiB allreduce cost per tf.function call (median of its samples);
-        # raw_mpi_cost_us: a raw MPI_Allreduce's in the same loop; cost_over_raw_mpi_us: tf_mpi's beyond it.
-        for metric in ("efficiency", "of_pair", "cost_us", "raw_mpi_cost_us", "cost_over_raw_mpi_us"):
+        # raw_mpi_cost_us: a raw MPI_Allreduce's in the same loop; cost_over_raw_mpi_us: tf_mpi's beyond it;
+        # async_op_cost_us: TensorFlow's own asynchronous kernel's; async_raw_mpi_cost_us: that kernel's and
+        # the raw MPI_Allreduce's together; cost_over_async_raw_mpi_us: tf_mpi's beyond both.
+        for metric in ("efficiency", "of_pair", "cost_us", "raw_mpi_cost_us", "cost_over_raw_mpi_us",
+                       "async_op_cost_us", "async_raw_mpi_cost_us", "cost_over_async_raw_mpi_us"):
             values = [e[metric] for e in ok if metric in e]
             if values:
                 entry[metric] = statistics.median(values)

@@ -258,10 +258,14 @@ def run_call_cost(args):
     (Sum), the other tf.identity of it: TensorFlow's own per-call cost. A third variant calls the
     tf.identity function and then a raw MPI_Allreduce of 1 KiB (mpi4py): what any synchronous
     collective costs in this loop, where each call waits for the slower rank's last call (the
-    ranks' per-call jitter), whatever library runs it. Samples rotate through the three (each: a
-    barrier, then CALLS back-to-back calls timed on every rank, the slowest rank's time), so all see
-    the same machine; the result is the median of each, and the medians of the per-round
-    differences against tf.identity, in microseconds per call."""
+    ranks' per-call jitter), whatever library runs it. Two more price TensorFlow's own dispatch of
+    an asynchronous kernel (tf_mpi's ops are asynchronous, as Horovod's and TensorFlow's own
+    collectives are): a tf.function returning a FIFOQueue's dequeue (an AsyncOpKernel that
+    completes at once: an element waits), and that function followed by the raw MPI_Allreduce,
+    the floor of any asynchronous collective op in this loop. Samples rotate through the five
+    (each: a barrier, then CALLS back-to-back calls timed on every rank, the slowest rank's time),
+    so all see the same machine; the result is the median of each, and the medians of the
+    per-round differences, in microseconds per call."""
     import numpy as np
     tf = init_tensorflow_one_thread(args.inter_op_threads)
     import tf_mpi as hvd
@@ -282,7 +286,16 @@ def run_call_cost(args):
         raise RuntimeError("callcost: the allreduce gave wrong sums")
     from tf_mpi.basics import _core
 
+    queue = tf.queue.FIFOQueue(capacity=calls, dtypes=[tf.float32], shapes=[[256]])
+    filler = tf.ones([calls, 256], tf.float32)
+
+    @tf.function
+    def async_op(x):
+        return queue.dequeue()
+
     def per_call_us(fn):
+        if fn in (async_op, async_op_then_raw_mpi):
+            queue.enqueue_many(filler)  # one element waiting for each call: the dequeue completes at once
         hvd.barrier()
         start = time.perf_counter()
         for _ in range(calls):
@@ -298,22 +311,31 @@ def run_call_cost(args):
         without(x)
         comm.Allreduce(raw_in, raw_out, op=MPI.SUM)
 
-    variants = (with_allreduce, without, without_then_raw_mpi)
+    def async_op_then_raw_mpi(x):
+        async_op(x)
+        comm.Allreduce(raw_in, raw_out, op=MPI.SUM)
+
+    variants = (with_allreduce, without, without_then_raw_mpi, async_op, async_op_then_raw_mpi)
     for fn in variants:  # warm-up (tracing, caches)
         per_call_us(fn)
     rounds = [tuple(per_call_us(fn) for fn in variants) for _ in range(samples)]
     if not np.array_equal(raw_out, expected):
         raise RuntimeError("callcost: the raw MPI_Allreduce gave wrong sums")
-    cost = [a - b for a, b, _ in rounds]
-    raw_cost = [r - b for _, b, r in rounds]
+    cost = [a - b for a, b, *_ in rounds]
+    raw_cost = [r - b for _, b, r, *_ in rounds]
     result = {"mode": CALL_COST_MODE, "model": "allreduce_1kib", "precision": "float32", "processes": hvd.size(),
               "calls_per_sample": calls, "samples": samples,
-              "allreduce_call_us": statistics.median(a for a, _, _ in rounds),
-              "identity_call_us": statistics.median(b for _, b, _ in rounds),
+              "allreduce_call_us": statistics.median(a for a, *_ in rounds),
+              "identity_call_us": statistics.median(b for _, b, *_ in rounds),
               "cost_us": statistics.median(cost), "cost_us_min": min(cost), "cost_us_max": max(cost),
               # The same call followed by a raw MPI_Allreduce: the floor of any synchronous collective here.
               "raw_mpi_cost_us": statistics.median(raw_cost),
-              "cost_over_raw_mpi_us": statistics.median(a - r for a, _, r in rounds),
+              "cost_over_raw_mpi_us": statistics.median(a - r for a, _, r, *_ in rounds),
+              # TensorFlow's own asynchronous kernel (FIFOQueue dequeue) instead of tf.identity, and
+              # with the raw MPI_Allreduce after it: the floor of any asynchronous collective op here.
+              "async_op_cost_us": statistics.median(q - b for _, b, _, q, _ in rounds),
+              "async_raw_mpi_cost_us": statistics.median(qr - b for _, b, _, _, qr in rounds),
+              "cost_over_async_raw_mpi_us": statistics.median(a - qr for a, _, _, _, qr in rounds),
               "engine_stats": {k: v for k, v in _core.stats().items() if k in ("inline_batches", "requests")},
               }
     result["samples_per_sec"] = 1e6 / result["allreduce_call_us"]  # calls/s, so the driver's tables have a rate

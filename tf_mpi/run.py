@@ -479,8 +479,7 @@ ELASTIC_MAX_RESTARTS = 3
 """How many times the launcher starts ``mpirun`` again after a lost host or a crashed ``mpirun``
 (``--max-restarts``)."""
 
-MPIRUN_CRASH_SIGNALS = {signal.SIGSEGV: "SIGSEGV", signal.SIGABRT: "SIGABRT", signal.SIGBUS: "SIGBUS",
-                        signal.SIGILL: "SIGILL", signal.SIGFPE: "SIGFPE"}
+MPIRUN_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 """The signals that end ``mpirun`` when it crashes (not when it is asked to stop): an elastic job
 whose ``mpirun`` ends on one of them before its ranks finished is started again. Open MPI 5.0.11's
 launcher now and then crashes while it serves ``MPI_Comm_spawn`` across hosts (docs/elastic.md,
@@ -1038,7 +1037,7 @@ def _main_elastic(settings, argv):
                 # mpirun itself crashed (Open MPI 5.0.11's launcher now and then does while it
                 # serves a spawn across hosts) and took the job with it; no rank failed: start it
                 # again as it was, resuming from the last commit.
-                sys.stderr.write(f"tf_mpi.run: mpirun crashed ({MPIRUN_CRASH_SIGNALS[crashed[0]]}): "
+                sys.stderr.write(f"tf_mpi.run: mpirun crashed ({signal.Signals(crashed[0]).name}): "
                                  f"relaunch {restart + 1} of {max_restarts} on the same hosts"
                                  f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
                 restart += 1

@@ -668,11 +668,17 @@ def test_a_crashed_mpirun_is_started_again_and_leaves_no_rank(tmp_path):
     assert rc == 0 and (tmp_path / "crashed").exists() and len(finished) == 2, out
     assert "mpirun crashed (SIGSEGV): relaunch 1 of 3 on the same hosts, from the start" in out, out
     assert "elastic job: 2 rank(s) finished (min-np 2)" in out, out
-    # The first launch's ranks, orphaned, end when they find their mpirun gone (0.6-0.8 s here).
-    start, worker = time.time(), str(tmp_path / "elastic_worker.py")
-    while subprocess.run(["pgrep", "-f", worker], capture_output=True).returncode == 0 and time.time() - start < 15:
+    _assert_no_rank_left(tmp_path / "elastic_worker.py")
+
+
+def _assert_no_rank_left(worker, within_s=15):
+    """No process runs `worker` within `within_s` seconds (pretend hosts share the process table).
+    A crashed mpirun's orphaned ranks end when they find it gone (0.6-0.8 s on one host here)."""
+    start = time.time()
+    while subprocess.run(["pgrep", "-f", str(worker)], capture_output=True).returncode == 0 and \
+            time.time() - start < within_s:
         time.sleep(0.2)
-    left = subprocess.run(["pgrep", "-af", worker], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-af", str(worker)], capture_output=True, text=True).stdout
     assert left == "", left
 
 
@@ -737,6 +743,25 @@ def test_growth_onto_another_host_gets_the_launch_variables(tmp_path, two_hosts)
     assert len(grown) == 2 and len(children) == 1, reported + out
     assert children[0]["host"] == c.hosts[1] and children[0]["probe"] == "forwarded-value", out
     assert children[0]["min"] == "2" and all(g["sum"] == "3" for g in grown + children), out
+
+
+def test_a_crashed_mpirun_across_hosts_is_started_again_and_leaves_no_rank(tmp_path, two_hosts):
+    """One rank per host; rank 0 (on the first host, mpirun's) sends mpirun SIGSEGV in the first
+    launch: the other host's daemon and rank end too, the launcher starts the job again on both
+    hosts, and no rank of either launch is left on either host."""
+    c = two_hosts
+    worker = tmp_path / "elastic_worker.py"
+    worker.write_text(WORKER.format(run_py=RUN_PY))
+    cmd = c.command(RUN + ["-np", "2", "--min-np", "2", "--host", f"{c.hosts[0]}:1,{c.hosts[1]}:1",
+                           "-x", "ELASTIC_CRASH_FLAG", "python", str(worker), "crash_launcher"])
+    env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", ELASTIC_CRASH_FLAG=str(tmp_path / "crashed")),
+                clean_remote_env=True)
+    rc, out, _ = mpi_harness.run_bounded_retrying(cmd, 60, env, "mpirun crash across hosts")
+    assert rc == 0 and (tmp_path / "crashed").exists(), out
+    assert "mpirun crashed (SIGSEGV): relaunch 1 of 3 on the same hosts" in out, out
+    assert "elastic job: 2 rank(s) finished (min-np 2)" in out, out
+    assert {f["rank"] for f in _lines(out, "FINISHED")} == {"0", "1"}, out
+    _assert_no_rank_left(worker)
 
 
 def test_lost_host_ends_the_job_and_the_launcher_says_so(tmp_path, two_hosts):

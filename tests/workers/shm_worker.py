@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -265,11 +266,20 @@ def check_requests_with_different_scales_fused_in_one_bucket():
     specs = [(700, hvd.Sum, 1.0, 1.0), (3 * SLOT // 4 + 1, hvd.Average, 1.0, 1.0), (5, hvd.Sum, 0.25, 1.0),
              (SLOT // 4 * N + 9, hvd.Sum, 1.0, 2.0), (2 * SLOT, hvd.Average, 4.0, 0.5), (33, hvd.Sum, 2.0, 0.125)]
 
+    def late_on_rank_0():
+        """Rank 0 submits its six ops 30 ms after the others, so theirs are all announced by then."""
+        if R == 0:
+            time.sleep(0.03)
+        return np.float32(0)
+
     @tf.function
     def step(k):
-        return [hvd.allreduce(tf.fill([c], tf.cast(k + R + i, tf.float32)), op=op, prescale_factor=pre,
-                              postscale_factor=post, name=f"scaled.piece.{i}")
-                for i, (c, op, pre, post) in enumerate(specs)]
+        # Every op waits for late_on_rank_0: on rank 0 the six are submitted together, and its
+        # engine thread (not the submitting thread: TF_MPI_INLINE_BYTES=0 below) takes them at once.
+        with tf.control_dependencies([tf.numpy_function(late_on_rank_0, [], tf.float32)]):
+            return [hvd.allreduce(tf.fill([c], tf.cast(k + R + i, tf.float32)), op=op, prescale_factor=pre,
+                                  postscale_factor=post, name=f"scaled.piece.{i}")
+                    for i, (c, op, pre, post) in enumerate(specs)]
 
     def want(k, i):
         # Sums of small integers times powers of two are exact in float32;
@@ -302,11 +312,24 @@ def check_requests_with_different_scales_fused_in_one_bucket():
             shared = sum(1 for m in members.values() if len(m) > 1)
         return hvd.broadcast_object(shared, root_rank=0)
 
-    # Whether the ops reach the engine together is up to timing: up to 5 tries of 12 rounds.
-    for attempt in range(5):
-        shared = shared_buckets(12 * attempt)
-        if shared:
-            break
+    # Requests handed to the engine thread (not driven by the caller): rank 0's thread wakes after
+    # its six ops are queued. Whether they share a bucket is still up to timing: up to 5 tries.
+    inline = os.environ.get("TF_MPI_INLINE_BYTES")
+    hvd.shutdown()
+    os.environ["TF_MPI_INLINE_BYTES"] = "0"
+    hvd.init()
+    try:
+        for attempt in range(5):
+            shared = shared_buckets(12 * attempt)
+            if shared:
+                break
+    finally:
+        hvd.shutdown()
+        if inline is None:
+            os.environ.pop("TF_MPI_INLINE_BYTES")
+        else:
+            os.environ["TF_MPI_INLINE_BYTES"] = inline
+        hvd.init()
     if shared == 0:
         raise SkipCheck("in 60 rounds the ops never reached the engine together (results were checked)")
 

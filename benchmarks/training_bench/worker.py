@@ -321,21 +321,25 @@ def run_call_cost(args):
     rounds = [tuple(per_call_us(fn) for fn in variants) for _ in range(samples)]
     if not np.array_equal(raw_out, expected):
         raise RuntimeError("callcost: the raw MPI_Allreduce gave wrong sums")
-    cost = [a - b for a, b, *_ in rounds]
-    raw_cost = [r - b for _, b, r, *_ in rounds]
+    allreduce, identity, raw, queued, queued_raw = zip(*rounds)  # per variant, its samples
+
+    def minus(xs, ys):
+        return [x - y for x, y in zip(xs, ys)]
+
+    cost = minus(allreduce, identity)
     result = {"mode": CALL_COST_MODE, "model": "allreduce_1kib", "precision": "float32", "processes": hvd.size(),
               "calls_per_sample": calls, "samples": samples,
-              "allreduce_call_us": statistics.median(a for a, *_ in rounds),
-              "identity_call_us": statistics.median(b for _, b, *_ in rounds),
+              "allreduce_call_us": statistics.median(allreduce),
+              "identity_call_us": statistics.median(identity),
               "cost_us": statistics.median(cost), "cost_us_min": min(cost), "cost_us_max": max(cost),
               # The same call followed by a raw MPI_Allreduce: the floor of any synchronous collective here.
-              "raw_mpi_cost_us": statistics.median(raw_cost),
-              "cost_over_raw_mpi_us": statistics.median(a - r for a, _, r, *_ in rounds),
+              "raw_mpi_cost_us": statistics.median(minus(raw, identity)),
+              "cost_over_raw_mpi_us": statistics.median(minus(allreduce, raw)),
               # TensorFlow's own asynchronous kernel (FIFOQueue dequeue) instead of tf.identity, and
               # with the raw MPI_Allreduce after it: the floor of any asynchronous collective op here.
-              "async_op_cost_us": statistics.median(q - b for _, b, _, q, _ in rounds),
-              "async_raw_mpi_cost_us": statistics.median(qr - b for _, b, _, _, qr in rounds),
-              "cost_over_async_raw_mpi_us": statistics.median(a - qr for a, _, _, _, qr in rounds),
+              "async_op_cost_us": statistics.median(minus(queued, identity)),
+              "async_raw_mpi_cost_us": statistics.median(minus(queued_raw, identity)),
+              "cost_over_async_raw_mpi_us": statistics.median(minus(allreduce, queued_raw)),
               "engine_stats": {k: v for k, v in _core.stats().items() if k in ("inline_batches", "requests")},
               }
     result["samples_per_sec"] = 1e6 / result["allreduce_call_us"]  # calls/s, so the driver's tables have a rate

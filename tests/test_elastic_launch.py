@@ -493,6 +493,8 @@ WORKER = textwrap.dedent('''\
         finish(new, total == size - 1)
     if scenario == "crash_launcher":   # the first launch's mpirun crashes; the launcher starts it again
         flag = os.environ["ELASTIC_CRASH_FLAG"]
+        with open(flag + ".segments", "a") as f:   # Open MPI's shared-memory files, for the test to remove
+            f.writelines(line.split()[-1] + "\\n" for line in open("/proc/self/maps") if "/sm_segment." in line)
         if rank == 0 and not os.path.exists(flag):
             open(flag, "w").close()
             launcher_name = open(f"/proc/{{os.getppid()}}/comm").read().strip()
@@ -664,6 +666,7 @@ def test_a_crashed_mpirun_is_started_again_and_leaves_no_rank(tmp_path):
     """Rank 0 sends mpirun SIGSEGV in the first launch: its ranks end with it, the launcher says
     so and starts the job again, which finishes; no rank of either launch is left running."""
     rc, out, _ = _elastic_run(tmp_path, "crash_launcher", "-np", "2", ELASTIC_CRASH_FLAG=str(tmp_path / "crashed"))
+    _remove_segments(tmp_path / "crashed")
     finished = _lines(out, "FINISHED")
     assert rc == 0 and (tmp_path / "crashed").exists() and len(finished) == 2, out
     assert "mpirun crashed (SIGSEGV): relaunch 1 of 3 on the same hosts, from the start" in out, out
@@ -680,6 +683,18 @@ def _assert_no_rank_left(worker, within_s=15):
         time.sleep(0.2)
     left = subprocess.run(["pgrep", "-af", str(worker)], capture_output=True, text=True).stdout
     assert left == "", left
+
+
+def _remove_segments(flag):
+    """Removes the shared-memory files (/dev/shm/sm_segment.*) the crash_launcher scenario's ranks
+    listed: Open MPI's launcher removes its job's at exit, which a crashed one never reaches."""
+    listed = flag.with_name(flag.name + ".segments")
+    for path in set(listed.read_text().split()) if listed.exists() else ():
+        if os.path.basename(path).startswith("sm_segment."):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:   # the relaunched job's, removed by its own launcher
+                pass
 
 
 def test_growth_by_spawn_onto_discovered_slots(tmp_path):
@@ -757,6 +772,7 @@ def test_a_crashed_mpirun_across_hosts_is_started_again_and_leaves_no_rank(tmp_p
     env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", ELASTIC_CRASH_FLAG=str(tmp_path / "crashed")),
                 clean_remote_env=True)
     rc, out, _ = mpi_harness.run_bounded_retrying(cmd, 60, env, "mpirun crash across hosts")
+    _remove_segments(tmp_path / "crashed")
     assert rc == 0 and (tmp_path / "crashed").exists(), out
     assert "mpirun crashed (SIGSEGV): relaunch 1 of 3 on the same hosts" in out, out
     assert "elastic job: 2 rank(s) finished (min-np 2)" in out, out

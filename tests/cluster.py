@@ -59,6 +59,8 @@ AGENT = os.path.join(HERE, "cluster_agent.sh")
 DEFAULT_PREFIX = "tfmpi"
 LOCK_WAIT_S = 900
 """How long up() and down() wait for another process using the same prefix to let it go."""
+SHARED_MEMORY_DIR = "/dev/shm"
+"""Where Open MPI's shared-memory transport keeps its files (its btl_sm_backing_directory)."""
 
 _held = {}   # prefix -> open lock file, for the prefixes this process owns
 
@@ -289,6 +291,7 @@ class Cluster:
         if os.path.exists(self._state_file):
             os.remove(self._state_file)
         self._remove_open_mpi_session_folders()
+        self._remove_open_mpi_shared_memory_files()
 
     def _remove_open_mpi_session_folders(self):
         """Open MPI's daemons keep their session folder (prted.<pid>, holding pmix.<hostname>.*
@@ -301,6 +304,18 @@ class Cluster:
                     continue
                 if any(n.startswith("pmix.") and self._is_mine(n.split(".")[1]) for n in names):
                     shutil.rmtree(folder, ignore_errors=True)
+
+    def _remove_open_mpi_shared_memory_files(self):
+        """Open MPI's shared-memory transport keeps a file per rank in /dev/shm
+        (sm_segment.<hostname>.<uid>.<job>.<rank>), removed by its launcher when the job ends; ranks
+        of a host that was killed, or whose launcher crashed, leave theirs behind (the pretend hosts
+        share the machine's /dev/shm)."""
+        for path in glob.glob(os.path.join(SHARED_MEMORY_DIR, "sm_segment.*")):
+            if self._is_mine(os.path.basename(path).split(".")[1]):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def kill_host(self, host, signal_name="KILL"):
         """Sends a signal (default SIGKILL) to every process running in a host's namespace."""

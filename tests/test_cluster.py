@@ -155,6 +155,11 @@ def test_rerun_after_a_crash_and_down_leave_nothing(bed):
     sleeper = subprocess.Popen([*CLI, "run", "--prefix", prefix, "--host", f"{prefix}-h2", "--", "sleep", "300"],
                                start_new_session=True)
     again = cluster.Cluster(hosts=3, slots=1, prefix=prefix, net=net)
+    # What a killed host's ranks leave in the machine's /dev/shm; another host's file stays.
+    segments = [os.path.join(cluster.SHARED_MEMORY_DIR, f"sm_segment.{h}.0.{net:x}0001.0")
+                for h in (f"{prefix}-h2", f"{prefix}x-h2")]
+    for path in segments:
+        open(path, "w").close()
     try:
         deadline = time.time() + 20
         while not again.pids(f"{prefix}-h2") and time.time() < deadline:
@@ -175,6 +180,8 @@ def test_rerun_after_a_crash_and_down_leave_nothing(bed):
     assert not os.path.exists(again._state_file) and not os.path.exists(again._lock_path)
     assert root_links() == links   # nothing was ever added to the machine's own network
     assert set(bed.hosts) | {bed.switch} <= set(cluster._namespaces())
+    assert [os.path.exists(path) for path in segments] == [False, True], segments
+    os.unlink(segments[1])
 
 
 def test_a_prefix_in_use_is_not_torn_down_by_another_process(bed):

@@ -499,14 +499,21 @@ def check_elastic_run_restores_and_refuses_rank_membership_changes():
         hvd.allreduce(tf.ones([1]), name="elastic.after.leave")
         return "continued"
 
-    if R == N - 1:
-        assert train(state) == "left"
-    else:
-        raises(lambda: train(state), elastic.HorovodInternalError, "fixed set of ranks",
-               "membership changes are not supported", f"rank {N - 1} called shutdown()")
-        assert state.step == 1  # restored to the last commit
-        hvd.shutdown()
-    hvd.init()
+    try:
+        if R == N - 1:
+            assert train(state) == "left"
+        else:
+            text = raises(lambda: train(state), elastic.HorovodInternalError, "fixed set of ranks",
+                          "membership changes are not supported")
+            # Rank 0 coordinates and always sees rank N-1 leave; another rank's allreduce may reach
+            # rank 0 only after rank 0 has shut down as well (below), which is then its reason.
+            causes = [f"rank {N - 1} called shutdown()"] + (["rank 0 called shutdown()"] if R else [])
+            assert any(c in text for c in causes), (causes, text)
+            assert state.step == 1  # restored to the last commit
+    finally:  # every rank starts again, also where an assertion above failed: no rank waits alone in init
+        if hvd.is_initialized():
+            hvd.shutdown()
+        hvd.init()
     assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="elastic.reinit")) == N
 
 

@@ -1029,7 +1029,7 @@ def _main_elastic(settings, argv):
                 # would otherwise cost --max-restarts start-up time limits before its exit status.
                 sys.stderr.write(f"tf_mpi.run: the job did not start: relaunch {restart + 1} of {max_restarts} "
                                  f"(once for a failed start)"
-                                 f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
+                                 f"{_resuming(checkpoint_dir)}\n")
                 start_relaunched = True
                 restart += 1
                 continue
@@ -1039,7 +1039,7 @@ def _main_elastic(settings, argv):
                 # again as it was, resuming from the last commit.
                 sys.stderr.write(f"tf_mpi.run: mpirun crashed ({signal.Signals(crashed[0]).name}): "
                                  f"relaunch {restart + 1} of {max_restarts} on the same hosts"
-                                 f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
+                                 f"{_resuming(checkpoint_dir)}\n")
                 restart += 1
                 continue
             if status == 0 or not lost or restart == max_restarts:
@@ -1066,11 +1066,16 @@ def _main_elastic(settings, argv):
             options = _without_host_options(options) + ["--host", ",".join(f"{h}:{n}" for h, n in hosts)]
             sys.stderr.write(f"tf_mpi.run: lost {what}: relaunch {restart + 1} of {max_restarts} with "
                              f"{np} rank(s) on {','.join(h for h, _ in hosts)}"
-                             f"{', resuming from ' + checkpoint_dir if checkpoint_dir else ', from the start'}\n")
+                             f"{_resuming(checkpoint_dir)}\n")
             restart += 1
     finally:
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _resuming(checkpoint_dir):
+    """How a relaunch message ends: where the relaunched ranks resume from."""
+    return f", resuming from {checkpoint_dir}" if checkpoint_dir else ", from the start"
 
 
 def _default_checkpoint_dir_fits(hosts, discovery=None):

@@ -259,7 +259,8 @@ def run_mpi(np, worker, timeout, env=None, args=()):
                 checks.update({f"{name}/{k}": v for k, v in read_results(os.path.join(out_dir, name)).get(0, {}).items()})
         with open(os.environ["TF_MPI_TEST_LAUNCH_LOG"], "a") as f:  # where a launch's time went, per check
             f.write(json.dumps({"worker": worker, "np": np, "args": [str(a)[:200] for a in args], "elapsed": round(elapsed, 2),
-                                "checks": {k: v.get("seconds") for k, v in checks.items()}}) + "\n")
+                                "checks": {k: v.get("seconds") for k, v in checks.items()},
+                                "cpu": {k: v.get("cpu_seconds") for k, v in checks.items()}}) + "\n")
     return MpiRun(rc, output, results, elapsed, timed_out, out_dir)
 
 

@@ -37,6 +37,7 @@ CHUNK = int(os.environ.get("TF_MPI_SHM_CHUNK_BYTES", 256 << 10))
 MIN_BYTES = int(os.environ.get("TF_MPI_SHM_MIN_BYTES", 0))
 SLOT = max(64, CHUNK // N // 64 * 64)  # bytes one block advances per pipeline step (shm_allreduce.cc)
 SLOT_WRITES = os.environ.get("TF_MPI_SHM_SLOT_WRITES", "auto")  # how this rank writes its slots
+PROGRESS_STEPS = 300  # check_stream_of_gradient_storms_keeps_mpi_progressing
 
 DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
@@ -413,9 +414,14 @@ def check_join_contributes_identity():
 def check_stream_of_gradient_storms_keeps_mpi_progressing():
     # Rank 0 sends its decisions by MPI_Isend, and Open MPI moves a message
     # only while its sender calls into MPI: a rank waiting on shared memory
-    # must keep MPI progressing, or its peer may never learn what to run.
-    # Without that, with the default settings (launch "progress"), a stream
-    # like this one stalled (3 runs of 3 on 2 cores; 1 of 2 with 400 steps).
+    # must keep MPI progressing, or its peer may never learn what to run. The
+    # launch ("progress") keeps the default pipeline and fusion settings and
+    # turns the peer liveness check off: its thread calls into MPI every second,
+    # which would free such a stall after a second (a slow stream that passes)
+    # instead of leaving it to the stall shutdown (an error naming the step).
+    # Without the progress in the wait, this stream stalled within its first
+    # steps in 4 runs of 4 (2 cores); with the liveness thread on, 2 of 3 runs
+    # of 1000 steps passed, only slowly.
     sizes = [int(64 * 1.37 ** (i % 24)) + i for i in range(200)]  # 64 B to ~200 KiB
     tensors = [tf.fill([n], float(R + 1)) for n in sizes]
     expected = N * (N + 1) / 2
@@ -425,8 +431,11 @@ def check_stream_of_gradient_storms_keeps_mpi_progressing():
         return [hvd.allreduce(t, op=hvd.Sum, name=f"progress.{i}") for i, t in enumerate(ts)]
 
     before = shm_count()
-    for step in range(1000):
-        outs = storm(tensors)
+    for step in range(PROGRESS_STEPS):
+        try:
+            outs = storm(tensors)
+        except tf.errors.OpError as e:
+            raise AssertionError(f"step {step} of {PROGRESS_STEPS} did not complete: {e.message[:300]}") from None
         bad = [i for i, o in enumerate(outs) if not np.all(o.numpy() == expected)]
         assert not bad, f"step {step}: tensors {bad[:5]} are wrong"
     assert shm_count() > before

@@ -495,8 +495,13 @@ WORKER = textwrap.dedent('''\
         flag = os.environ["ELASTIC_CRASH_FLAG"]
         with open(flag + ".segments", "a") as f:   # Open MPI's shared-memory files, for the test to remove
             f.writelines(line.split()[-1] + "\\n" for line in open("/proc/self/maps") if "/sm_segment." in line)
-        if rank == 0 and not os.path.exists(flag):
-            open(flag, "w").close()
+        # The flag names the tf_mpi.run whose first mpirun rank 0 crashed (one host: rank 0's parent is
+        # mpirun, whose parent is tf_mpi.run): its relaunch goes on; a new attempt of the whole
+        # scenario (the harness retries Open MPI's start-up crash) crashes its own mpirun again.
+        job = open(f"/proc/{{os.getppid()}}/stat").read().rsplit(")", 1)[1].split()[1]
+        if rank == 0 and (not os.path.exists(flag) or open(flag).read() != job):
+            with open(flag, "w") as f:
+                f.write(job)
             launcher_name = open(f"/proc/{{os.getppid()}}/comm").read().strip()
             if launcher_name not in ("prterun", "mpirun"):   # one host: rank 0's parent is mpirun
                 report(f"UNEXPECTED parent={{launcher_name}}")

@@ -275,8 +275,9 @@ def check_tf_object_helpers():
 
 def check_tf_model_fit_matches_one_model_on_all_the_data():
     """model.fit with DistributedOptimizer on rank-dependent batches: every rank ends with the same
-    weights, equal to a plain Keras model (no tf_mpi) trained on all ranks' batches at once (SGD on
-    the average of equal-size batches' mean gradients = SGD on their union's mean gradient)."""
+    weights and optimizer state (momentum), the weights equal to a plain Keras model (no tf_mpi)
+    trained on all ranks' batches at once (SGD with momentum on the average of equal-size batches'
+    mean gradients = the same on their union's mean gradient)."""
     need_tf()
     batch, steps, lr = 8, 5, 0.05
 
@@ -291,13 +292,17 @@ def check_tf_model_fit_matches_one_model_on_all_the_data():
 
     m = model()
     initial = [w.copy() for w in m.get_weights()]
-    m.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(lr)), loss="mse")
+    m.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9)), loss="mse")
     x, y = data(R)
     m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
           callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
     weights = m.get_weights()
     gathered = COMM.allgather([w.tobytes() for w in weights])
     assert all(g == gathered[0] for g in gathered), "weights differ between ranks"
+    state = [v.numpy() for v in m.optimizer.variables]
+    assert any(np.any(v != 0) for v in state[1:]), "no momentum was built up"
+    gathered = COMM.allgather([v.tobytes() for v in state])
+    assert all(g == gathered[0] for g in gathered), "optimizer state differs between ranks"
     assert not np.allclose(weights[0], initial[0]), "training did not change the weights"
 
     # Step s of the reference sees every rank's batch s, in rank order.
@@ -305,7 +310,7 @@ def check_tf_model_fit_matches_one_model_on_all_the_data():
     xs = np.concatenate([p[0][s * batch:(s + 1) * batch] for s in range(steps) for p in parts])
     ys = np.concatenate([p[1][s * batch:(s + 1) * batch] for s in range(steps) for p in parts])
     ref = model()
-    ref.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    ref.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss="mse")
     ref.fit(xs, ys, batch_size=batch * N, epochs=1, shuffle=False, verbose=0)
     for w, v in zip(weights, ref.get_weights()):
         assert np.allclose(w, v, rtol=1e-5, atol=1e-6), np.abs(w - v).max()

@@ -359,16 +359,18 @@ def check_fuzz_good_calls_right_bad_calls_errors_within_seconds_no_crash():
              lambda: hvd.broadcast(tf.ones([2]), 0, name="after.down.bc"),
              lambda: _core.allreduce(np.ones(2, np.float32), 1, "after.down.np"),
              lambda: hvd.join()]
-    for fn in after:
-        start = time.time()
-        try:
-            fn()
-            raise AssertionError("a call after shutdown() returned")
-        except ERRORS as e:
-            assert "not been initialized" in str(e) or "shut down" in str(e), str(e)
-            tally["error_s"].append(time.time() - start)
-            tally["errors"]["after_shutdown"] = tally["errors"].get("after_shutdown", 0) + 1
-    hvd.init()
+    try:
+        for fn in after:
+            start = time.time()
+            try:
+                fn()
+                raise AssertionError("a call after shutdown() returned")
+            except ERRORS as e:
+                assert "not been initialized" in str(e) or "shut down" in str(e), str(e)
+                tally["error_s"].append(time.time() - start)
+                tally["errors"]["after_shutdown"] = tally["errors"].get("after_shutdown", 0) + 1
+    finally:  # every rank starts again, also where an assertion failed: no rank waits alone in init
+        hvd.init()
     y = hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum, name="after.reinit")
     assert float(y[0]) == sum(range(N))
     summary = {"rank": R, "calls": CALLS + len(after), "good": tally["good"],

@@ -60,28 +60,33 @@ elif SCENARIO == "tf_mpi_first":
 
     def check_shutdown_and_init_again():
         hvd.shutdown()
-        assert not hvd.is_initialized()
         try:
-            hvd.allreduce(tf.constant([1.0]), name="while.down")
-            raise AssertionError("no error after shutdown")
-        except tf.errors.FailedPreconditionError as e:
-            assert "not been initialized" in e.message
-        hvd.init()
+            assert not hvd.is_initialized()
+            try:
+                hvd.allreduce(tf.constant([1.0]), name="while.down")
+                raise AssertionError("no error after shutdown")
+            except tf.errors.FailedPreconditionError as e:
+                assert "not been initialized" in e.message
+        finally:  # every rank starts again, also where an assertion failed: no rank waits alone in init
+            hvd.init()
         sum_of_ranks("after.reinit")
 
     def check_one_rank_shutting_down_fails_the_others_promptly():
-        if hvd.rank() == 1:
-            hvd.shutdown()
-        else:
-            start = time.time()
-            try:
-                hvd.allreduce(tf.constant([1.0]), name="needs.rank1")
-                raise AssertionError("no error although rank 1 shut down")
-            except tf.errors.AbortedError as e:
-                assert "rank 1 called shutdown()" in e.message, e.message
-            assert time.time() - start < 20
-            hvd.shutdown()
-        hvd.init()
+        try:
+            if hvd.rank() == 1:
+                hvd.shutdown()
+            else:
+                start = time.time()
+                try:
+                    hvd.allreduce(tf.constant([1.0]), name="needs.rank1")
+                    raise AssertionError("no error although rank 1 shut down")
+                except tf.errors.AbortedError as e:
+                    assert "rank 1 called shutdown()" in e.message, e.message
+                assert time.time() - start < 20
+        finally:  # every rank starts again, also where an assertion failed: no rank waits alone in init
+            if hvd.is_initialized():
+                hvd.shutdown()
+            hvd.init()
         sum_of_ranks("after.partial.shutdown")
 
 elif SCENARIO == "stall":

@@ -19,7 +19,7 @@ few seconds of work), and most of that is TensorFlow's import and the interprete
   (gc.freeze: left out of later collections; reference counting still frees it); the collector
   then runs as usual for everything created afterwards.
 - TensorFlow's public API (`tf.compat.v1`, `tf.feature_column`, `tf.__internal__.distribute`,
-  `tf.lite`, ...) is a tree of ~330 generated modules under `tensorflow._api.v2`, each of which only
+  `tf.lite`, ...) is a tree of ~400 generated modules under `tensorflow._api.v2`, each of which only
   imports the implementation modules it re-exports; `import tensorflow` runs all of them, and
   through them implementation modules no rank uses (the legacy tf.keras, feature columns,
   distribution-strategy test helpers): ~0.5 s of CPU. Here each of those generated modules is
@@ -112,34 +112,28 @@ class _StartUpFinder:
     """A meta path finder that sees imports before the standard ones do."""
 
     def __init__(self):
-        self._finding_real_spec = False
+        self._finding_tensorflow = False
 
     def find_spec(self, name, path=None, target=None):
         refused_for = _OPTIONAL.get(name.partition(".")[0])
         if refused_for:
             self._refuse_if_imported_by(refused_for, name)
             return None
-        if self._finding_real_spec:
-            return None
-        if name == "tensorflow":
+        if name == "tensorflow" and not self._finding_tensorflow:
             return self._tensorflow_spec()
-        if name.startswith(_DEFERRED_API_PREFIX) and ".compat.v1" not in name:
-            spec = self._real_spec(name)
-            if spec is not None:
-                spec.loader = _DeferredApiLoader(spec.loader)
-            return spec
+        if name.startswith(_DEFERRED_API_PREFIX) and ".compat.v1" not in name and not self._finding_tensorflow:
+            return self._deferred_api_spec(name)
         return None
 
-    def _real_spec(self, name):
-        """The spec the standard finders give `name` (None unless its loader has exec_module)."""
+    def _deferred_api_spec(self, name):
         import importlib.util
-        self._finding_real_spec = True  # find it without coming back here
+        self._finding_tensorflow = True  # find the real spec without coming back here
         try:
             spec = importlib.util.find_spec(name)
         finally:
-            self._finding_real_spec = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
+            self._finding_tensorflow = False
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _DeferredApiLoader(spec.loader)
         return spec
 
     @staticmethod
@@ -152,9 +146,14 @@ class _StartUpFinder:
             raise ImportError(f"{name} is not imported for {importer} in test ranks (tests/rank_site)")
 
     def _tensorflow_spec(self):
-        spec = self._real_spec("tensorflow")
-        if spec is None:
-            return None
+        import importlib.util
+        self._finding_tensorflow = True  # find the real spec without coming back here
+        try:
+            spec = importlib.util.find_spec("tensorflow")
+        finally:
+            self._finding_tensorflow = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
         run_module = spec.loader.exec_module
 
         def exec_module(module):

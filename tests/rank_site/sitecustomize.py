@@ -18,15 +18,6 @@ few seconds of work), and most of that is TensorFlow's import and the interprete
   collector is paused while `tensorflow` is imported, and what the import created is then frozen
   (gc.freeze: left out of later collections; reference counting still frees it); the collector
   then runs as usual for everything created afterwards.
-- TensorFlow's public API (`tf.compat.v1`, `tf.feature_column`, `tf.__internal__.distribute`,
-  `tf.lite`, ...) is a tree of ~400 generated modules under `tensorflow._api.v2`, each of which only
-  imports the implementation modules it re-exports; `import tensorflow` runs all of them, and
-  through them implementation modules no rank uses (the legacy tf.keras, feature columns,
-  distribution-strategy test helpers): ~0.5 s of CPU. Here each of those generated modules is
-  created at once but runs its body at the first lookup of a name it does not have yet
-  (_DeferredApiModule), so a rank runs the ones it uses, when it first touches them (those of
-  `tf.compat.v1` run as usual once `tf.compat` is touched). The implementation modules (`tensorflow.python...`,
-  what tf_mpi and Keras import directly) load as usual.
 - TensorFlow's generated op modules declare ~18,000 TypeVar constraints as strings naming a few
   dtypes ("_atypes.Float32", ...), and typing compiles each string anew: ~0.1 s of CPU. While
   `tensorflow` is imported, typing's ForwardRef reuses the code object of a string compiled before
@@ -35,8 +26,6 @@ few seconds of work), and most of that is TensorFlow's import and the interprete
 import functools
 import gc
 import sys
-import threading
-import types
 
 # package -> the modules (or module prefixes) whose own `import package` is refused
 _OPTIONAL = {
@@ -53,61 +42,6 @@ def _compile_once(source, filename, mode):
     return compile(source, filename, mode)
 
 
-# The generated API modules whose bodies wait for their first use (see the docstring); not those
-# of tf.compat.v1, whose bodies put a wrapper module in their place in sys.modules (the name their
-# parent must be given, known only once the body ran).
-_DEFERRED_API_PREFIX = "tensorflow._api.v2."
-# One body runs at a time: another thread that misses a name of a module being run waits for it.
-_deferred_api_lock = threading.RLock()
-
-
-class _DeferredApiModule(types.ModuleType):
-    """A generated API module whose body has not run yet: the first lookup of a name the module does
-    not have runs it (once, under _deferred_api_lock) and then looks again, as if it had run at
-    import. While the body runs, its own thread sees the module as the import would (a name not yet
-    defined is missing); names set on it before (a submodule imported on its own) are kept."""
-
-    def _run_body(self):
-        """Runs the body unless it ran already; False inside the body (this thread runs it)."""
-        pending = self.__dict__.get("__deferred_body__")
-        if pending is None:
-            return True
-        with _deferred_api_lock:
-            if self.__dict__.get("__deferred_body__") is pending:
-                if pending["running"]:
-                    return False
-                pending["running"] = True
-                try:
-                    pending["loader"].exec_module(self)
-                finally:
-                    del self.__dict__["__deferred_body__"]
-                    self.__class__ = types.ModuleType
-        return True
-
-    def __getattr__(self, name):   # only for names not in the module's __dict__
-        if not self._run_body():
-            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        return getattr(self, name)
-
-    def __dir__(self):
-        self._run_body()
-        return types.ModuleType.__dir__(self)
-
-
-class _DeferredApiLoader:
-    """Creates a generated API module as its own loader would, leaving its body for later."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__dict__["__deferred_body__"] = {"loader": self._loader, "running": False}
-        module.__class__ = _DeferredApiModule
-
-
 class _StartUpFinder:
     """A meta path finder that sees imports before the standard ones do."""
 
@@ -121,20 +55,7 @@ class _StartUpFinder:
             return None
         if name == "tensorflow" and not self._finding_tensorflow:
             return self._tensorflow_spec()
-        if name.startswith(_DEFERRED_API_PREFIX) and ".compat.v1" not in name and not self._finding_tensorflow:
-            return self._deferred_api_spec(name)
         return None
-
-    def _deferred_api_spec(self, name):
-        import importlib.util
-        self._finding_tensorflow = True  # find the real spec without coming back here
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._finding_tensorflow = False
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _DeferredApiLoader(spec.loader)
-        return spec
 
     @staticmethod
     def _refuse_if_imported_by(importers, name):

@@ -225,12 +225,21 @@ def process_alive(pid):
 RANK_SITE = os.path.join(HERE, "rank_site")  # its sitecustomize makes TensorFlow's import and the exit cheaper
 
 
+def with_rank_site(env):
+    """`env` (a dict, changed and returned) with tests/rank_site first on PYTHONPATH: every Python
+    process started with it, ranks and launchers alike, imports TensorFlow at the cost the suite is
+    sized for. Launches across pretend hosts also forward PYTHONPATH (``-x PYTHONPATH``): the other
+    hosts' ranks start from a login's environment."""
+    if RANK_SITE not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (RANK_SITE, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def launch_env(extra=None):
     """Environment for launched ranks: Open MPI as root allowed, quiet TensorFlow, unbuffered output,
     tests/rank_site first on PYTHONPATH."""
-    env = mpirun_env()
-    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (RANK_SITE, env.get("PYTHONPATH")) if p)})
+    env = with_rank_site(mpirun_env())
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
 

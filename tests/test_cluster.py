@@ -41,8 +41,9 @@ ARRAY_CHECKS = [c for c in CHECKS if not c.startswith("check_tf_")]
 # enough that a rank descheduled on this busy machine adds no message to the counted steps.
 ENV = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "60", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "120",
        "TF_MPI_OVERLAP": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
-# Not TF_MPI_*: what the ranks on the other host need besides, passed as a user would (-x).
-FORWARD = ("TF_CPP_MIN_LOG_LEVEL", "PYTHONUNBUFFERED")
+# Not TF_MPI_*: what the ranks on the other host need besides, passed as a user would (-x);
+# PYTHONPATH carries tests/rank_site (mpi_harness.with_rank_site).
+FORWARD = ("TF_CPP_MIN_LOG_LEVEL", "PYTHONUNBUFFERED", "PYTHONPATH")
 
 @pytest.fixture(scope="module")
 def bed():

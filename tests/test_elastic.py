@@ -122,7 +122,7 @@ def _launch_once(name, np, min_np, max_np, env, discovery):
         os.chmod(script, os.stat(script).st_mode | stat.S_IEXEC)
         cmd += ["--host-discovery-script", script]
     cmd += [sys.executable, WORKER, tag]
-    full_env = dict(os.environ, ELASTIC_OUT=out, **(env or {}))
+    full_env = mpi_harness.with_rank_site(dict(os.environ, ELASTIC_OUT=out, **(env or {})))
     rc, output, _, timed_out = run_bounded(cmd, LAUNCH_TIMEOUT, full_env)
     time.sleep(0.5)
     left = _leftovers(tag)

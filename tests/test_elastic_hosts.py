@@ -63,6 +63,7 @@ def scenario(name="lost"):
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_MPI_ELASTIC", "OMPI_MCA_btl", "ELASTIC_"))}
+    mpi_harness.with_rank_site(env)
     env.update(extra)
     return env
 
@@ -94,9 +95,9 @@ def _lose_a_host_and_get_it_back(c, out, listing, script):
                  "ELASTIC_STEP_SLEEP": "1.0"}
     both = "".join(f"{h}:{c.slots}\n" for h in c.hosts)
     listing.write_text(both)
-    # The other host's ranks start from a login's environment: the tf_mpi under test reaches them
-    # through PYTHONPATH only where it is forwarded (a source tree run with PYTHONPATH set).
-    forwarded = list(variables) + (["PYTHONPATH"] if os.environ.get("PYTHONPATH") else [])
+    # The other host's ranks start from a login's environment: PYTHONPATH (tests/rank_site, and the
+    # source tree where the suite runs from one) reaches them only forwarded.
+    forwarded = list(variables) + ["PYTHONPATH"]
     cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "4", "--min-np", "2", "--host-discovery-script", str(script),
            *[a for name in forwarded for a in ("-x", name)], sys.executable, WORKER, tag]
     env = c.env(_env(TF_MPI_ELASTIC_EXIT_GRACE_S="10", **variables), clean_remote_env=True)
@@ -209,7 +210,7 @@ def _growth_onto_a_host_without_ranks():
         out = tempfile.mkdtemp(prefix="tfmpi-elastic-empty-host-")
         tag = f"elastic-empty-host-{uuid.uuid4().hex}"
         variables = {"ELASTIC_OUT": out, "ELASTIC_MODE": "tape", "ELASTIC_STEPS": "8"}
-        forwarded = list(variables) + (["PYTHONPATH"] if os.environ.get("PYTHONPATH") else [])
+        forwarded = list(variables) + ["PYTHONPATH"]
         cmd = [sys.executable, "-m", "tf_mpi.run", "-np", "2", "--min-np", "2", "--max-np", "4",
                "--host-discovery-script", script, *[a for name in forwarded for a in ("-x", name)],
                sys.executable, WORKER, tag]

@@ -26,7 +26,7 @@ RUN = [sys.executable, RUN_PY]
 
 
 def _env(**extra):
-    env = dict(os.environ)
+    env = mpi_harness.with_rank_site(dict(os.environ))
     for name in [n for n in env if n.startswith(("TF_MPI_ELASTIC", "OMPI_MCA_btl"))]:
         del env[name]
     env.update(extra)

@@ -251,7 +251,8 @@ def check_fit_with_embedding_matches_one_rank_on_the_global_batch():
         model.compile(optimizer=hvd.DistributedOptimizer(make_opt(), sparse=mode), loss="mse", jit_compile=False)
         model.fit(shard(x, batch), shard(y, batch), batch_size=batch, epochs=1, shuffle=False, verbose=0)
         ref = embedding_model(1)
-        ref.compile(optimizer=densified(make_opt()), loss="mse", jit_compile=False)
+        # eagerly: the same arithmetic as a traced step, without the tracing
+        ref.compile(optimizer=densified(make_opt()), loss="mse", jit_compile=False, run_eagerly=True)
         ref.fit(x, y, batch_size=N * batch, epochs=1, shuffle=False, verbose=0)
         for a, b in zip(model.get_weights(), ref.get_weights()):
             assert np.allclose(a, b, rtol=1e-4, atol=1e-5), f"fit sparse={mode}: max diff {np.max(np.abs(a - b))}"

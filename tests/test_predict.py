@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from mpi_harness import with_rank_site
 from tf_mpi import grouping, predict
 from tf_mpi.predict import Cluster, Link, Workload
 
@@ -234,7 +235,8 @@ def test_parse_link_presets_and_values():
 
 def run_cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "tf_mpi.predict", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3"))
+                          timeout=timeout, cwd=REPO,
+                          env=with_rank_site(dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")))
 
 
 def png_size(path):

@@ -2,9 +2,13 @@
 sub-communicators, shutdown/re-init, stall detection, and a rank's uncaught
 exception with the abort turned off (TF_MPI_ABORT_ON_EXCEPTION=0). The abort
 itself, on by default, is checked by tests/test_faults.py (fault "raise")."""
+import json
+import os
+import sys
+
 import pytest
 
-from mpi_harness import assert_check, joint_launch, shared_launch
+from mpi_harness import assert_check, joint_launch, run_bounded, shared_launch, with_rank_site
 
 WORKER = "runtime_worker.py"
 STALL = {"TF_MPI_STALL_CHECK_TIME_SECONDS": "1", "TF_MPI_STALL_SHUTDOWN_TIME_SECONDS": "4"}
@@ -133,3 +137,36 @@ def test_uncaught_exception_without_abort_still_ends_the_job():
     assert run.returncode != 0 and run.elapsed < 60, run.describe()
     assert "boom on rank 1" in run.output and "rank 1 called shutdown()" in run.output, run.describe()
 
+
+
+SINGLETON = """
+import json, os
+import numpy as np
+from tf_mpi import basics, _core
+basics.init()
+y = _core.allreduce(np.arange(3, dtype=np.float32), basics.Sum, "singleton")
+with open("/proc/self/maps") as f:
+    mapped = sorted({line.split()[-1] for line in f if "/dev/shm/sm_segment" in line})
+print("RESULT", json.dumps({"size": basics.size(), "y": y.tolist(), "btl": os.environ.get("OMPI_MCA_btl"),
+                            "mapped": mapped}))
+basics.shutdown()
+"""
+
+
+@pytest.mark.parametrize("btl", [None, "self,tcp"])
+def test_a_process_started_without_a_launcher_maps_no_shared_memory_segment(btl):
+    """A plain `python train.py` is an MPI singleton: Open MPI would map a 16 MiB segment from
+    /dev/shm for its shared-memory transport and leave the file behind at exit (no launcher daemon
+    cleans up). tf_mpi gives a world of one the self transport only, unless OMPI_MCA_btl is set."""
+    env = with_rank_site({k: v for k, v in os.environ.items() if k != "OMPI_MCA_btl"})
+    if btl is not None:
+        env["OMPI_MCA_btl"] = btl
+    rc, output, _, timed_out = run_bounded([sys.executable, "-c", SINGLETON], 60, env)
+    assert rc == 0 and not timed_out, output
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert lines, output
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["size"] == 1 and r["y"] == [0.0, 1.0, 2.0], r
+    assert r["btl"] == (btl or "self"), r
+    if btl is None:
+        assert r["mapped"] == [], r

@@ -37,7 +37,10 @@ def init(comm=None, process_sets=None):
 
     MPI is initialised (with ``MPI_THREAD_MULTIPLE``) if mpi4py or another
     library has not done so already. At exit the engine shuts down and MPI is
-    finalised exactly once, by whoever initialised it.
+    finalised exactly once, by whoever initialised it. A process started
+    without a launcher (``python train.py``, a world of one) gets Open MPI's
+    self transport only (``OMPI_MCA_btl=self`` unless set), so that it leaves
+    no shared-memory segment behind in /dev/shm.
 
     By default an uncaught exception on any rank prints its traceback and
     aborts the whole job (``MPI_Abort``) so the other ranks do not wait forever
@@ -65,8 +68,23 @@ def init(comm=None, process_sets=None):
     _init(comm, process_sets)
 
 
+# A launcher (mpirun, prterun, srun with PMIx) sets one of these in every rank's environment.
+_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_NAMESPACE", "PMI_SIZE")
+
+
+def _singleton_transports():
+    """A process started without a launcher is an MPI singleton, a world of one. Open MPI 5 then
+    maps its shared-memory transport's 16 MiB segment from /dev/shm and, with no launcher daemon
+    to clean up after the job, leaves the file there at exit (any Open MPI program does). A world
+    of one needs only the self transport, so that is all it gets unless OMPI_MCA_btl is set; an
+    MPI library other than Open MPI ignores the variable."""
+    if not any(name in os.environ for name in _LAUNCHER_VARIABLES):
+        os.environ.setdefault("OMPI_MCA_btl", "self")
+
+
 def _init(comm, process_sets):
     from tf_mpi import membership
+    _singleton_transports()
     if comm is None:
         _core.init()
     elif isinstance(comm, (list, tuple)):

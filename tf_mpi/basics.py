@@ -3,6 +3,7 @@
 This module does not import TensorFlow; it talks to the engine through the
 pybind11 binding ``tf_mpi._core``.
 """
+import contextlib
 import os
 import sys
 import traceback
@@ -38,9 +39,9 @@ def init(comm=None, process_sets=None):
     MPI is initialised (with ``MPI_THREAD_MULTIPLE``) if mpi4py or another
     library has not done so already. At exit the engine shuts down and MPI is
     finalised exactly once, by whoever initialised it. A process started
-    without a launcher (``python train.py``, a world of one) gets Open MPI's
-    self transport only (``OMPI_MCA_btl=self`` unless set), so that it leaves
-    no shared-memory segment behind in /dev/shm.
+    without a launcher (``python train.py``, a world of one) starts Open MPI
+    with its self transport only (``OMPI_MCA_btl=self`` during ``MPI_Init``,
+    unless set), so that it leaves no shared-memory segment behind in /dev/shm.
 
     By default an uncaught exception on any rank prints its traceback and
     aborts the whole job (``MPI_Abort``) so the other ranks do not wait forever
@@ -72,23 +73,33 @@ def init(comm=None, process_sets=None):
 _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_NAMESPACE", "PMI_SIZE")
 
 
+@contextlib.contextmanager
 def _singleton_transports():
-    """A process started without a launcher is an MPI singleton, a world of one. Open MPI 5 then
-    maps its shared-memory transport's 16 MiB segment from /dev/shm and, with no launcher daemon
-    to clean up after the job, leaves the file there at exit (any Open MPI program does). A world
-    of one needs only the self transport, so that is all it gets unless OMPI_MCA_btl is set; an
-    MPI library other than Open MPI ignores the variable."""
-    if not any(name in os.environ for name in _LAUNCHER_VARIABLES):
-        os.environ.setdefault("OMPI_MCA_btl", "self")
+    """While MPI starts: a process started without a launcher is an MPI singleton, a world of one.
+    Open MPI 5 then maps its shared-memory transport's 16 MiB segment from /dev/shm and, with no
+    launcher daemon to clean up after the job, leaves the file there at exit (any Open MPI program
+    does). A world of one needs only the self transport, so that is all it gets unless OMPI_MCA_btl
+    is set. Open MPI reads the variable inside MPI_Init; it is removed again afterwards, so that
+    what the process starts later (an mpirun from a notebook) keeps Open MPI's defaults. An MPI
+    library other than Open MPI ignores it."""
+    if any(name in os.environ for name in _LAUNCHER_VARIABLES) or "OMPI_MCA_btl" in os.environ:
+        yield
+        return
+    os.environ["OMPI_MCA_btl"] = "self"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMPI_MCA_btl", None)
 
 
 def _init(comm, process_sets):
     from tf_mpi import membership
-    _singleton_transports()
     if comm is None:
-        _core.init()
+        with _singleton_transports():  # MPI_Init, where no library has run it yet
+            _core.init()
     elif isinstance(comm, (list, tuple)):
-        _core.init(ranks=[int(r) for r in comm])
+        with _singleton_transports():
+            _core.init(ranks=[int(r) for r in comm])
     elif hasattr(comm, "py2f") and membership.enabled() and comm is membership.comm():
         comm = _init_elastic(comm)
     elif hasattr(comm, "py2f"):

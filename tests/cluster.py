@@ -380,7 +380,8 @@ class Cluster:
         clean_remote_env: processes started on the other hosts get a login's environment, as
         through a real ssh, rather than a copy of the launcher's: what the ranks need must be
         passed with ``mpirun -x NAME``. (Ranks on the first host share mpirun's, as on a real
-        cluster.)"""
+        cluster.) The login's TMPDIR is the launcher's: the hosts share one file system, and
+        temporary files stay under the test session's folder."""
         env = dict(os.environ if base is None else base)
         env["PRTE_MCA_plm_ssh_agent"] = AGENT
         env["TF_MPI_CLUSTER_CLEAN_ENV"] = "1" if clean_remote_env else "0"

@@ -6,6 +6,7 @@ harness (tests/workers/_checks.py) runs them all on every rank and writes
 ``rank<N>.json``. Each pytest test then asserts one check on every rank, so a
 single mpirun launch (one TensorFlow import per rank) serves many tests.
 """
+import functools
 import json
 import os
 import re
@@ -266,10 +267,15 @@ def run_mpi(np, worker, timeout, env=None, args=()):
         for name in sorted(os.listdir(out_dir)):  # a sections launch: each section's checks as section/check
             if os.path.isdir(os.path.join(out_dir, name)):
                 checks.update({f"{name}/{k}": v for k, v in read_results(os.path.join(out_dir, name)).get(0, {}).items()})
+        spent = None  # a sections launch: rank 0's [seconds, CPU seconds] per section, from the end of the one before
+        if os.path.exists(os.path.join(out_dir, "sections.rank0.json")):
+            with open(os.path.join(out_dir, "sections.rank0.json")) as f:
+                spent = json.load(f)
         with open(os.environ["TF_MPI_TEST_LAUNCH_LOG"], "a") as f:  # where a launch's time went, per check
             f.write(json.dumps({"worker": worker, "np": np, "args": [str(a)[:200] for a in args], "elapsed": round(elapsed, 2),
                                 "checks": {k: v.get("seconds") for k, v in checks.items()},
-                                "cpu": {k: v.get("cpu_seconds") for k, v in checks.items()}}) + "\n")
+                                "cpu": {k: v.get("cpu_seconds") for k, v in checks.items()},
+                                "sections": spent}) + "\n")
     return MpiRun(rc, output, results, elapsed, timed_out, out_dir)
 
 
@@ -378,6 +384,11 @@ def cached_launches(worker, env=None, timeout=300):
 
 PARALLEL = max(1, int(os.environ.get("TF_MPI_TEST_PARALLEL", "2")))  # launches in flight besides the test's own
 _pool = None
+# Launches that mostly wait (detectors' time-outs, sleeping steps, a rank stopped on purpose) use
+# little CPU for many seconds: held in a pool slot, they left the machine idle. They run in a lane
+# of their own beside the pool instead, one at a time, in the order they were started (waiting=True;
+# start_waiting). Their time limits leave room for a machine busy with the pool's launches.
+_lane = None
 _futures = {}            # key -> Future of the launch's result
 _futures_lock = threading.Lock()
 _heavy = threading.Lock()  # launches that need several GiB of memory run one at a time
@@ -392,6 +403,13 @@ def _executor():
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="launch")
     return _pool
+
+
+def _waiting_lane():
+    global _lane
+    if _lane is None:
+        _lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="waiting-launch")
+    return _lane
 
 
 def _key_of(fn, args, kwargs):
@@ -458,7 +476,7 @@ class _Job:
 
 
 _jobs = {}           # key -> _Job of a launch started ahead
-_held = None         # while the prefetches are collected (hold_starts): [(long, sections, order, job)] not yet queued
+_held = None         # while the prefetches are collected (hold_starts): [(long, sections, order, job, waiting)] not yet queued
 
 
 def hold_starts():
@@ -470,22 +488,27 @@ def hold_starts():
 def release_starts():
     """Queues the launches given since hold_starts(): those marked long first (so that the longest
     do not start last and end the session alone), sections launches first among them, the longest
-    of those first (long: their expected seconds), the others in the order they were given."""
+    of those first (long: their expected seconds), the others in the order they were given; the
+    waiting ones in the lane, in the order they were given."""
     global _held
     held, _held = _held or [], None
+    for job in [h[3] for h in held if h[4]]:
+        _waiting_lane().submit(job.run)
+    held = [h for h in held if not h[4]]
     # Among the long ones the sections (joint) launches come first: they are the longest (the np=2
     # one of the Keras, runtime and shared-memory sections takes ~120 s and, queued behind the
     # others, was the last of them to end, ~100 s after the rest).
     order = sorted(held, key=lambda h: (not h[0], not h[1], -float(h[0]) if h[1] else 0, h[2]))
-    for _, _, _, job in order:
-        _executor().submit(job.run)
+    for h in order:
+        _executor().submit(h[3].run)
 
 
-def start_shared(fn, *args, heavy=False, alone=False, long=False, **kwargs):
+def start_shared(fn, *args, heavy=False, alone=False, long=False, waiting=False, **kwargs):
     """Starts fn(*args, **kwargs) (a launch) in the background unless the same call was started
     already; returns its Future. heavy=True: never at the same time as another heavy launch;
     alone=True: never at the same time as any other launch of this session; long=True: a launch
-    known to take long, queued before the others (see hold_starts)."""
+    known to take long, queued before the others (see hold_starts); waiting=True: a launch that
+    spends most of its time waiting (see _lane), queued in the lane beside the pool."""
     key = _key_of(fn, args, kwargs)
     with _futures_lock:
         if key not in _futures:
@@ -493,25 +516,17 @@ def start_shared(fn, *args, heavy=False, alone=False, long=False, **kwargs):
             _futures[key] = job.future
             if _held is not None:
                 sections = fn is run_mpi and len(args) > 1 and args[1] == SECTIONS_WORKER
-                _held.append((long, sections, len(_held), job))
+                _held.append((long, sections, len(_held), job, waiting))
             else:
-                _executor().submit(job.run)
+                (_waiting_lane() if waiting else _executor()).submit(job.run)
         return _futures[key]
 
 
 def start_waiting(fn, *args, **kwargs):
-    """Starts fn(*args, **kwargs) at once in a thread of its own, beside the pool, unless the same
-    call was started already; returns its Future (shared_run of the same call takes the result).
-    For a launch that spends most of its time waiting (steps that sleep, detectors' time-outs,
-    relaunches), so that it holds none of the pool's PARALLEL slots for that time."""
-    key = _key_of(fn, args, kwargs)
-    with _futures_lock:
-        if key in _futures:
-            return _futures[key]
-        job = _jobs[key] = _Job(fn, args, kwargs, heavy=False, alone=False)
-        _futures[key] = job.future
-    threading.Thread(target=job.run, daemon=True, name="waiting-launch").start()
-    return job.future
+    """start_shared(fn, *args, waiting=True, **kwargs): for a launch that spends most of its time
+    waiting (steps that sleep, detectors' time-outs, relaunches), so that it holds none of the
+    pool's PARALLEL slots for that time (shared_run of the same call takes the result)."""
+    return start_shared(fn, *args, waiting=True, **kwargs)
 
 
 def shared_run(fn, *args, heavy=False, alone=False, long=False, **kwargs):
@@ -529,10 +544,12 @@ def shared_run(fn, *args, heavy=False, alone=False, long=False, **kwargs):
     return _futures[key].result()
 
 
-def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, alone=False, start=False, long=False):
+def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, alone=False, start=False, long=False,
+                  waiting=False):
     """run_mpi(np, worker, timeout, env, args), once per session for the same arguments (see
-    shared_run); start=True only starts it in the background and returns its Future."""
-    call = start_shared if start else shared_run
+    shared_run); start=True only starts it in the background (waiting=True: in the lane beside the
+    pool, see start_shared) and returns its Future."""
+    call = functools.partial(start_shared, waiting=waiting) if start else shared_run
     return call(run_mpi, np, worker, timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy,
                 alone=alone, long=long)
 
@@ -601,10 +618,11 @@ def selected_tests(items):
 def stop_background_launches():
     """Drops the launches not started yet (the session is ending); the running ones end by their
     own time limits."""
-    global _pool
-    if _pool is not None:
-        _pool.shutdown(wait=True, cancel_futures=True)
-        _pool = None
+    global _pool, _lane
+    for executor in (_pool, _lane):
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+    _pool = _lane = None
 
 
 def param(item, name, default=None):

@@ -75,8 +75,8 @@ LAUNCHER_ARGS = {"start-below-min": ["--max-restarts", "0"]}
 
 
 # Scenarios that mostly wait (here: rank 0 inside MPI_Init until the start-up time limit), using
-# next to no CPU meanwhile: they run beside the pool of launches instead of holding one of its slots
-# (mpi_harness.start_waiting), so that the machine is not left idle while they wait.
+# next to no CPU meanwhile: they run in the lane of waiting launches beside the pool instead of
+# holding one of its slots (mpi_harness.start_waiting), so that the machine is not left idle.
 WAITING = {"test_rank_lost_before_mpi_init_ends_the_start_in_bounded_time_and_the_job_starts_again"}
 
 

@@ -42,9 +42,9 @@ LAUNCH_TIMEOUT = 420   # two TensorFlow start-ups on a loaded 2-core machine, an
 
 
 def prefetch(items):
-    """Starts the scenarios in the background as the session starts (tests/conftest.py), in a
-    thread of their own: they spend most of their time waiting for steps, relaunches and the
-    detector, not computing."""
+    """Starts the scenarios in the background as the session starts (tests/conftest.py), in the
+    lane of waiting launches beside the pool: they spend most of their time waiting for steps,
+    relaunches and the detector, not computing."""
     if mpi_harness.selected_tests(items):
         mpi_harness.start_waiting(_scenarios)
 

@@ -19,9 +19,11 @@ OWN_TESTS = {"test_a_relay_that_cannot_read_its_child_aborts_the_job": "relay",
 
 def launch(scenario, start=False):
     # The big scenario's reducescatter moves 2 GiB: never beside another launch that needs as much.
+    # The others use little CPU (numpy only; peer time-outs and stall checks they wait for): they
+    # run in the lane of waiting launches (mpi_harness.start_shared).
     np = 4 if scenario == "relay" else SCENARIOS[scenario]
     return shared_launch(np, WORKER, timeout=120 if scenario == "relay" else 180, env=ENV.get(scenario),
-                         args=[scenario], heavy=scenario == "big", start=start)
+                         args=[scenario], heavy=scenario == "big", start=start, waiting=scenario != "big")
 
 
 def prefetch(items):

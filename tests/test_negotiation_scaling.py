@@ -26,7 +26,9 @@ SOAK_ENV = {"TF_MPI_CACHE_CAPACITY": "4", "TF_MPI_FUSION_THRESHOLD": "65536", "T
 
 
 def run_at(n, start=False):
-    return shared_launch(n, WORKER, timeout=300, env={"TF_MPI_NEGOTIATION_COUNTS": COUNTS[n]}, start=start)
+    # Mostly waiting (a stopped rank's peer time-out, stall reports): in the lane of waiting launches.
+    return shared_launch(n, WORKER, timeout=300, env={"TF_MPI_NEGOTIATION_COUNTS": COUNTS[n]}, start=start,
+                         waiting=True)
 
 
 def soak_launch(start=False):

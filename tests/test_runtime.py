@@ -26,9 +26,14 @@ SECTIONS = {name: joint_launch("np2b", 2, f"runtime.{name}", WORKER, [scenario],
                                         ("tf_mpi_first", "tf_mpi_first", None)]}
 
 
+# Scenarios that mostly wait for a rank to be ended: in the lane of waiting launches (mpi_harness.start_shared).
+WAITING = {"abort"}
+
+
 def launch(scenario, np=2, env=None, timeout=180, start=False):
     """One launch per scenario and environment, shared by the tests that check it."""
-    return shared_launch(np, WORKER, timeout=timeout, env=env, args=[scenario], start=start)
+    return shared_launch(np, WORKER, timeout=timeout, env=env, args=[scenario], start=start,
+                         waiting=scenario in WAITING)
 
 
 def start_clean_launch():

@@ -45,7 +45,9 @@ def launch(key, start=False):
     if key in JOINT:
         return JOINT[key](start=start)
     np, env = DIE if key == "die" else LAUNCHES[key]
-    return shared_launch(np, WORKER, timeout=120 if key == "die" else 240, env=env, start=start)
+    # "die": a rank exits 1.5 s in and the survivor waits to be ended: in the lane of waiting launches.
+    return shared_launch(np, WORKER, timeout=120 if key == "die" else 240, env=env, start=start,
+                         waiting=key == "die")
 
 
 # The launch of each test that is not parametrized by it.

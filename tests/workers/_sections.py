@@ -84,8 +84,10 @@ def main():
     if any("set_intra_op_parallelism_threads(1)" in open(os.path.join(HERE, s["worker"])).read() for s in sections):
         import tensorflow as tf
         tf.config.threading.set_intra_op_parallelism_threads(1)
+    spent = {}  # section -> [seconds, CPU seconds of this process], from the end of the one before
     for k, section in enumerate(sections):
         name = section["name"]
+        start, start_cpu = time.time(), time.process_time()
         if k:
             _between_sections()
         if rank == 0:
@@ -113,6 +115,10 @@ def main():
             sys.stderr.write(f"[rank {rank}] section {name} raised:\n{traceback.format_exc()}")
         os.environ.clear()
         os.environ.update(saved)
+        spent[name] = [round(time.time() - start, 3), round(time.process_time() - start_cpu, 3)]
+    if out:
+        with open(os.path.join(out, f"sections.rank{rank}.json"), "w") as f:
+            json.dump(spent, f)  # where the launch's time went (mpi_harness: TF_MPI_TEST_LAUNCH_LOG)
     sys.stdout.flush()
     sys.stderr.flush()
     if failed:

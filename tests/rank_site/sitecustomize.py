@@ -1,6 +1,7 @@
 """Run at start-up by every Python process the test harness launches (tests/mpi_harness.py puts
-this folder first on PYTHONPATH): makes a short-lived process that imports TensorFlow cheaper to
-start and to end. Nothing here changes what a rank computes.
+this folder first on PYTHONPATH), and by the pytest process itself (tests/conftest.py loads it
+before the test modules): makes a process that imports TensorFlow cheaper to start and to end.
+Nothing here changes what a rank computes.
 
 Most of the test suite's CPU time is ranks starting and ending (some 200 of them per run, each a
 few seconds of work), and most of that is TensorFlow's import and the interpreter's exit:

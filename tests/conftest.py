@@ -22,16 +22,9 @@ os.environ["TMPDIR"] = _SESSION_TMP  # what it launches (mpirun, ranks, examples
 import mpi_harness  # noqa: E402  (after TMPDIR: the harness and what it starts use it)
 
 
-def _start_up_as_the_ranks_do():
-    """This process imports TensorFlow too (while collecting the modules that test tf_mpi's Python
-    layers in-process, before any launch can start): with tests/rank_site, as every launched rank."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_site", "sitecustomize.py")
-    spec = importlib.util.spec_from_file_location("tf_mpi_tests_rank_site", path)
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-
-
-_start_up_as_the_ranks_do()
+# This process imports TensorFlow too (collecting the modules that test tf_mpi's Python layers
+# in-process, before any launch can start): with tests/rank_site, as every launched rank.
+mpi_harness.start_up_as_the_ranks_do()
 
 
 def pytest_collection_finish(session):

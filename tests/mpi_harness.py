@@ -236,6 +236,14 @@ def with_rank_site(env):
     return env
 
 
+def start_up_as_the_ranks_do():
+    """Runs tests/rank_site's sitecustomize in this process (loaded by path, once it has started),
+    so that its later TensorFlow import costs what a launched rank's does."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tf_mpi_tests_rank_site", os.path.join(RANK_SITE, "sitecustomize.py"))
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 def launch_env(extra=None):
     """Environment for launched ranks: Open MPI as root allowed, quiet TensorFlow, unbuffered output,
     tests/rank_site first on PYTHONPATH."""

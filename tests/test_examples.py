@@ -3,8 +3,8 @@
 Three launches (each costs ~30 s of mpirun start-up, TensorFlow import and
 exit on a 2-core machine, plus a few seconds of training):
 
-  A. float32, 1 epoch, --checkpoint-dir D --plot P      (fresh start, saves)
-  B. float32, --epochs 2, same D                        (resumes at epoch 2)
+  A. float32, 1 epoch, --checkpoint-dir D               (fresh start, saves)
+  B. float32, --epochs 2, same D, --plot P              (resumes at epoch 2)
   C. mixed_float16, 2 epochs from scratch
 
 B's final accuracy is the float32 accuracy, so it also checks that resuming
@@ -34,7 +34,9 @@ LAUNCH_TIMEOUT = 300
 
 
 WORKDIR = pathlib.Path(tempfile.mkdtemp(prefix="tfmpi_imdb_lstm_"))  # made at import: launches start early
-SAVING = ["--checkpoint-dir", str(WORKDIR / "ckpt"), "--plot", str(WORKDIR / "curves.png")]
+# A saves a checkpoint; B resumes from it and plots the whole history (the plot is checked once: B's).
+CHECKPOINT = ["--checkpoint-dir", str(WORKDIR / "ckpt")]
+SAVING = CHECKPOINT + ["--plot", str(WORKDIR / "curves.png")]
 
 
 def run_imdb(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=str(WORKDIR)):
@@ -44,7 +46,7 @@ def run_imdb(args, np=2, timeout=LAUNCH_TIMEOUT, cwd=str(WORKDIR)):
 def first_then_resumed():
     """A (fresh start, 1 epoch), its checkpoint as A left it (B replaces it), and B (resumes A for a
     2nd epoch; only if A ended well)."""
-    first = run_imdb(SMALL + ["--epochs", "1"] + SAVING)
+    first = run_imdb(SMALL + ["--epochs", "1"] + CHECKPOINT)
     if first.timed_out or first.returncode != 0 or first.result is None:
         return first, None, None
     state = _state(WORKDIR)

@@ -3,8 +3,8 @@
 Four launches (each costs ~30 s of mpirun start-up, TensorFlow import,
 tracing and exit on a 2-core machine, plus a few seconds of work):
 
-  A. disruption, float32, 1 epoch, --checkpoint-dir D --plot P   (fresh start, saves)
-  B. disruption, float32, --epochs 2, same D                      (resumes at epoch 2)
+  A. disruption, float32, 1 epoch, --checkpoint-dir D            (fresh start, saves)
+  B. disruption, float32, --epochs 2, same D, --plot P           (resumes at epoch 2)
   C. disruption, mixed_float16 with fp16 compression, 2 epochs from scratch
   D. benchmark_lstm, a few steps of a small model, --json J
 
@@ -33,7 +33,9 @@ LAUNCH_TIMEOUT = 300
 
 
 WORKDIR = pathlib.Path(tempfile.mkdtemp(prefix="tfmpi_disruption_lstm_"))  # made at import: launches start early
-SAVING = ["--checkpoint-dir", str(WORKDIR / "ckpt"), "--plot", str(WORKDIR / "curves.png")]
+# A saves a checkpoint; B resumes from it and plots the whole history (the plot is checked once: B's).
+CHECKPOINT = ["--checkpoint-dir", str(WORKDIR / "ckpt")]
+SAVING = CHECKPOINT + ["--plot", str(WORKDIR / "curves.png")]
 MIXED = SMALL + ["--epochs", "2", "--precision", "mixed_float16", "--compression", "fp16"]
 BENCH_JSON = WORKDIR / "bench.json"
 BENCH = ["--steps", "3", "--warmup", "1", "--seq-len", "20", "--vocab", "2000", "--units", "32",
@@ -47,7 +49,7 @@ def launch(script, args, np=2, timeout=LAUNCH_TIMEOUT, cwd=str(WORKDIR)):
 def first_then_resumed():
     """A (fresh start, 1 epoch), its checkpoint as A left it (B replaces it), and B (resumes A for a
     2nd epoch; only if A ended well)."""
-    first = launch(DISRUPTION, SMALL + ["--epochs", "1"] + SAVING)
+    first = launch(DISRUPTION, SMALL + ["--epochs", "1"] + CHECKPOINT)
     if first.timed_out or first.returncode != 0 or first.result is None:
         return first, None, None
     state = _state(WORKDIR)

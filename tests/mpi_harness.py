@@ -6,7 +6,7 @@ harness (tests/workers/_checks.py) runs them all on every rank and writes
 ``rank<N>.json``. Each pytest test then asserts one check on every rank, so a
 single mpirun launch (one TensorFlow import per rank) serves many tests.
 """
-import functools
+import collections
 import json
 import os
 import re
@@ -484,7 +484,11 @@ class _Job:
 
 
 _jobs = {}           # key -> _Job of a launch started ahead
-_held = None         # while the prefetches are collected (hold_starts): [(long, sections, order, job, waiting)] not yet queued
+# A launch given while the prefetches are collected (hold_starts), not queued yet: long (False or its
+# expected seconds), whether it is a sections launch, the order it was given in, its _Job, and
+# whether it goes to the lane of waiting launches.
+_Held = collections.namedtuple("_Held", "long sections order job waiting")
+_held = None         # while the prefetches are collected: [_Held]
 
 
 def hold_starts():
@@ -500,15 +504,16 @@ def release_starts():
     waiting ones in the lane, in the order they were given."""
     global _held
     held, _held = _held or [], None
-    for job in [h[3] for h in held if h[4]]:
-        _waiting_lane().submit(job.run)
-    held = [h for h in held if not h[4]]
+    for h in held:
+        if h.waiting:
+            _waiting_lane().submit(h.job.run)
+    held = [h for h in held if not h.waiting]
     # Among the long ones the sections (joint) launches come first: they are the longest (the np=2
     # one of the Keras, runtime and shared-memory sections takes ~120 s and, queued behind the
     # others, was the last of them to end, ~100 s after the rest).
-    order = sorted(held, key=lambda h: (not h[0], not h[1], -float(h[0]) if h[1] else 0, h[2]))
+    order = sorted(held, key=lambda h: (not h.long, not h.sections, -float(h.long) if h.sections else 0, h.order))
     for h in order:
-        _executor().submit(h[3].run)
+        _executor().submit(h.job.run)
 
 
 def start_shared(fn, *args, heavy=False, alone=False, long=False, waiting=False, **kwargs):
@@ -524,7 +529,7 @@ def start_shared(fn, *args, heavy=False, alone=False, long=False, waiting=False,
             _futures[key] = job.future
             if _held is not None:
                 sections = fn is run_mpi and len(args) > 1 and args[1] == SECTIONS_WORKER
-                _held.append((long, sections, len(_held), job, waiting))
+                _held.append(_Held(long, sections, len(_held), job, waiting))
             else:
                 (_waiting_lane() if waiting else _executor()).submit(job.run)
         return _futures[key]
@@ -557,9 +562,10 @@ def shared_launch(np, worker, timeout=300, env=None, args=(), heavy=False, alone
     """run_mpi(np, worker, timeout, env, args), once per session for the same arguments (see
     shared_run); start=True only starts it in the background (waiting=True: in the lane beside the
     pool, see start_shared) and returns its Future."""
-    call = functools.partial(start_shared, waiting=waiting) if start else shared_run
-    return call(run_mpi, np, worker, timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy,
-                alone=alone, long=long)
+    kwargs = dict(timeout=timeout, env=dict(env or {}), args=tuple(args), heavy=heavy, alone=alone, long=long)
+    if start:
+        return start_shared(run_mpi, np, worker, waiting=waiting, **kwargs)
+    return shared_run(run_mpi, np, worker, **kwargs)
 
 
 def shared_launches(worker, env=None, timeout=300, long=False):

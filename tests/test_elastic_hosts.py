@@ -22,6 +22,7 @@ its stage:
 (Which hosts a relaunch uses when the script still lists the lost host: tests/test_elastic_launch.py,
 with a stand-in mpirun.)
 """
+import itertools
 import json
 import os
 import pathlib
@@ -164,7 +165,7 @@ def _lost_before_the_kill(sizes):
     up to the first step at size 4 after KILL_AT are not 2s then 4s."""
     grown = sizes.index(4) if 4 in sizes else len(sizes)
     before = sizes[:max(grown, KILL_AT)]
-    return set(before[:grown]) - {2} != set() or set(before[grown:]) - {4} != set()
+    return bool(set(before[:grown]) - {2} or set(before[grown:]) - {4})
 
 
 def _discovery_script(tmp, body):
@@ -231,12 +232,11 @@ def _finished(s):
 
 def _runs(sizes):
     """[(size, first step, steps)] of each run of equal sizes in rank 0's record."""
-    runs = []
-    for step, n in enumerate(sizes):
-        if runs and runs[-1][0] == n:
-            runs[-1] = (n, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((n, step, 1))
+    runs, step = [], 0
+    for n, same in itertools.groupby(sizes):
+        steps = len(list(same))
+        runs.append((n, step, steps))
+        step += steps
     return runs
 
 

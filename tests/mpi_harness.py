@@ -135,16 +135,29 @@ def open_mpi_start_up_crash(output):
     return False
 
 
+RETRIED_NOTE = "[tests/mpi_harness] second launch:"
+
+
 def retry_on_start_up_crash(launch_once, what):
     """Runs ``launch_once()``, which returns an object with ``output`` and ``timed_out`` (and
     ``timeout``, its limit); where that output shows Open MPI's start-up crash
     (open_mpi_start_up_crash), whether or not the launch also timed out, runs it once more. Fails
-    when the launch kept (the second one, if any) timed out; returns it otherwise."""
+    when the launch kept (the second one, if any) timed out; returns it otherwise.
+
+    The launch kept after a retry ends its output with one line (RETRIED_NOTE) naming the first
+    launch's crash, so that the tail a failing test prints says that this was the second launch
+    (a message printed from the launch's background thread would reach no test's report); the
+    first launch's output is its ``first_output``."""
     run = launch_once()
     if open_mpi_start_up_crash(run.output):
-        print(f"{what}: Open MPI crashed a rank inside MPI_Init (timed_out={run.timed_out}); launching again, once:\n"
-              f"{run.output[-3000:]}")
+        first = run
+        _log_event({"retried": what, "first_timed_out": first.timed_out})
         run = launch_once()
+        crashed = next((w for w, t in _OPEN_MPI_REPORT_LINE.findall(first.output)
+                        if t.startswith("Signal: Segmentation fault")), "?")
+        run.output += (f"\n{RETRIED_NOTE} Open MPI crashed a rank inside MPI_Init in the first one "
+                       f"(process {crashed}, timed_out={first.timed_out})\n")
+        run.first_output = first.output
     assert not run.timed_out, f"{what}: the launch did not end within {run.timeout} s:\n{run.output[-6000:]}"
     return run
 
@@ -193,6 +206,15 @@ if rc < 0:
     signal.signal(-rc, signal.SIG_DFL); os.kill(os.getpid(), -rc)
 sys.exit(rc)
 """
+
+
+def _log_event(record):
+    # With TF_MPI_TEST_LAUNCH_LOG set: a line for something besides a launch (a start-up crash retried).
+    path = os.environ.get("TF_MPI_TEST_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "time": round(time.time(), 2),
+                                **record}) + "\n")
 
 
 def _log_launch(cmd, start, elapsed, timed_out, cpu_file=None):

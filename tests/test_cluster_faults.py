@@ -44,6 +44,8 @@ import pytest
 import cluster
 from mpi_harness import LISTENER_RETRY_SLEEP_S, WORKERS, launch_env, listener_failed, process_alive
 
+pytestmark = pytest.mark.hosts  # pretend hosts (tests/cluster.py): -m "not hosts" leaves them out
+
 KILL_LIMIT_S = 10
 WATCHDOG_S = 2
 PEER_S = 2                  # a cut while rank 0 still waits for the cut-off rank's announcement

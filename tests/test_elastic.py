@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpi_harness  # noqa: E402
 from mpi_harness import run_bounded  # noqa: E402
 
+pytestmark = pytest.mark.elastic
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "elastic_worker.py")
 LAUNCH_TIMEOUT = 240

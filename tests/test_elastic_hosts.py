@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpi_harness  # noqa: E402
 from cluster import Cluster, unavailable_reason  # noqa: E402
 
+pytestmark = [pytest.mark.hosts, pytest.mark.elastic]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "elastic_worker.py")
 STEPS = 16

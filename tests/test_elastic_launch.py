@@ -20,6 +20,8 @@ import mpi_harness
 from cluster import Cluster, unavailable_reason
 from mpi_harness import _launcher, run_bounded
 
+pytestmark = pytest.mark.elastic
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN_PY = os.path.join(os.path.dirname(HERE), "tf_mpi", "run.py")
 RUN = [sys.executable, RUN_PY]
@@ -729,6 +731,7 @@ def two_hosts():
         yield c
 
 
+@pytest.mark.hosts
 def test_killed_rank_on_another_host(tmp_path, two_hosts):
     """A rank on the second host dies: ranks on both hosts shrink; the elastic variables reached
     the second host's ranks (a login environment there) and their marks count."""
@@ -744,6 +747,7 @@ def test_killed_rank_on_another_host(tmp_path, two_hosts):
     assert "elastic job: 3 rank(s) finished (min-np 3)" in out
 
 
+@pytest.mark.hosts
 def test_growth_onto_another_host_gets_the_launch_variables(tmp_path, two_hosts):
     """A rank spawned onto the second host (a login environment there) gets the variables the
     launch forwarded with -x, not only the TF_MPI_* ones. The second host already runs a rank:
@@ -771,6 +775,7 @@ def test_growth_onto_another_host_gets_the_launch_variables(tmp_path, two_hosts)
     assert children[0]["min"] == "2" and all(g["sum"] == "3" for g in grown + children), out
 
 
+@pytest.mark.hosts
 def test_a_crashed_mpirun_across_hosts_is_started_again_and_leaves_no_rank(tmp_path, two_hosts):
     """One rank per host; rank 0 (on the first host, mpirun's) sends mpirun SIGSEGV in the first
     launch: the other host's daemon and rank end too, the launcher starts the job again on both
@@ -791,6 +796,7 @@ def test_a_crashed_mpirun_across_hosts_is_started_again_and_leaves_no_rank(tmp_p
     _assert_no_rank_left(worker)
 
 
+@pytest.mark.hosts
 def test_lost_host_ends_the_job_and_the_launcher_says_so(tmp_path, two_hosts):
     """Open MPI 5.0 ends the job when a host's daemon is lost, elastic or not (docs/elastic.md);
     without relaunches (--max-restarts 0) the launcher exits 1 (tests/test_elastic_hosts.py relaunches)."""

@@ -84,6 +84,7 @@ def test_model_prices_flat_as_the_mpi_runs_it_across_real_hosts():
         _core.hierarchical_model(1 << 20, 2, 2, flat="ring")
 
 
+@pytest.mark.hosts
 def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
     reason = cluster.unavailable_reason()
     if reason:
@@ -181,6 +182,7 @@ def test_probe_across_hosts_gives_every_rank_the_same_link_and_choice():
     assert "from TF_MPI_INTER_NODE_LINK" in given["summary"]
 
 
+@pytest.mark.hosts
 def test_a_rank_stuck_in_the_start_up_timing_ends_the_job_with_the_watchdogs_error():
     """A peer that stops responding while init() times both paths (a frozen host, a cut link): the
     others are inside MPI, where only the watchdog sees them; it covers the start-up measurements

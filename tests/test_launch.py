@@ -116,6 +116,7 @@ def test_listener_check_sees_a_tcp_transport():
 
 
 # -- several hosts: as fast as the link ----------------------------------------
+@pytest.mark.hosts
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_cross_host_pingpong_two_ranks_per_host_near_tcp():
     with Cluster(hosts=2, slots=2, prefix="lan", net=3) as c:

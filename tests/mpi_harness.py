@@ -151,7 +151,7 @@ def retry_on_start_up_crash(launch_once, what):
     run = launch_once()
     if open_mpi_start_up_crash(run.output):
         first = run
-        _log_event({"retried": what, "first_timed_out": first.timed_out})
+        _log_event({"retried": what, "time": round(time.time(), 2), "first_timed_out": first.timed_out})
         run = launch_once()
         crashed = next((w for w, t in _OPEN_MPI_REPORT_LINE.findall(first.output)
                         if t.startswith("Signal: Segmentation fault")), "?")
@@ -209,19 +209,18 @@ sys.exit(rc)
 
 
 def _log_event(record):
-    # With TF_MPI_TEST_LAUNCH_LOG set: a line for something besides a launch (a start-up crash retried).
+    # Measuring the suite: with TF_MPI_TEST_LAUNCH_LOG set, one JSON line per event (a bounded
+    # launch, a start-up crash retried) and the test running when it happened.
     path = os.environ.get("TF_MPI_TEST_LAUNCH_LOG")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "time": round(time.time(), 2),
-                                **record}) + "\n")
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), **record}) + "\n")
 
 
 def _log_launch(cmd, start, elapsed, timed_out, cpu_file=None):
-    # Measuring the suite: with TF_MPI_TEST_LAUNCH_LOG set, one line per bounded launch (what ran,
-    # when, how long, CPU seconds), to count launches per module and see which ones overlap.
-    path = os.environ.get("TF_MPI_TEST_LAUNCH_LOG")
-    if path:
+    # One line per bounded launch (what ran, when, how long, CPU seconds), to count launches per
+    # module and see which ones overlap.
+    if os.environ.get("TF_MPI_TEST_LAUNCH_LOG"):
         cpu = None
         if cpu_file:
             try:
@@ -230,10 +229,8 @@ def _log_launch(cmd, start, elapsed, timed_out, cpu_file=None):
                 os.remove(cpu_file)
             except (OSError, ValueError):
                 pass
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "start": round(start, 2),
-                                "elapsed": round(elapsed, 2), "cpu": cpu, "timed_out": timed_out,
-                                "cmd": " ".join(map(str, cmd))[-300:]}) + "\n")
+        _log_event({"start": round(start, 2), "elapsed": round(elapsed, 2), "cpu": cpu, "timed_out": timed_out,
+                    "cmd": " ".join(map(str, cmd))[-300:]})
 
 
 def process_alive(pid):
@@ -301,11 +298,9 @@ def run_mpi(np, worker, timeout, env=None, args=()):
         if os.path.exists(os.path.join(out_dir, "sections.rank0.json")):
             with open(os.path.join(out_dir, "sections.rank0.json")) as f:
                 spent = json.load(f)
-        with open(os.environ["TF_MPI_TEST_LAUNCH_LOG"], "a") as f:  # where a launch's time went, per check
-            f.write(json.dumps({"worker": worker, "np": np, "args": [str(a)[:200] for a in args], "elapsed": round(elapsed, 2),
-                                "checks": {k: v.get("seconds") for k, v in checks.items()},
-                                "cpu": {k: v.get("cpu_seconds") for k, v in checks.items()},
-                                "sections": spent}) + "\n")
+        _log_event({"worker": worker, "np": np, "args": [str(a)[:200] for a in args], "elapsed": round(elapsed, 2),
+                    "checks": {k: v.get("seconds") for k, v in checks.items()},   # where a launch's time went
+                    "cpu": {k: v.get("cpu_seconds") for k, v in checks.items()}, "sections": spent})
     return MpiRun(rc, output, results, elapsed, timed_out, out_dir)
 
 

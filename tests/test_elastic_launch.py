@@ -616,7 +616,7 @@ def test_retry_on_start_up_crash_once_even_after_a_time_out():
     assert len(runs) == 2 and ok.first_output == OPEN_MPI_START_UP_CRASH
     # The second launch's output, then one line that names the first one's crash (the tail a
     # failing test prints).
-    kept, note = ok.output.rsplit("\n", 2)[0], ok.output.rsplit("\n", 2)[1]
+    kept, note, _ = ok.output.rsplit("\n", 2)
     assert kept == "fine", ok.output
     assert note.startswith(mpi_harness.RETRIED_NOTE), note
     assert "crashed a rank inside MPI_Init" in note and "process vm:4242" in note, note

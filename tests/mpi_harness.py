@@ -708,7 +708,8 @@ def assert_check(run, np, name):
     assert not missing, f"check {name} was not run on ranks {missing}\n{run.describe()}"
     failures = {r: res[name] for r, res in run.results.items() if not res[name].get("ok")}
     assert not failures, "check failed on ranks " + ", ".join(
-        f"{r}: {v.get('error', 'no error text')}" for r, v in sorted(failures.items()))
+        f"{r}: {v.get('error', 'no error text')}" for r, v in sorted(failures.items())) + \
+        f"\n(the launch: {run.describe()})"  # the engines' logs of every rank
     # Every check passed, but a rank that then crashed or exited non-zero fails the launch.
     assert run.returncode == 0, f"a rank exited with a non-zero code\n{run.describe()}"
     skipped = {res[name].get("skipped") for res in run.results.values()}

@@ -114,13 +114,14 @@ _OPEN_MPI_REPORT_LINE = re.compile(r"^\[([^\]\s]+:\d+)\] (.*)$", re.M)
 
 
 def open_mpi_start_up_crash(output):
-    """Whether a launch's output shows Open MPI's start-up crash (above): some process's signal
-    report says "Signal: Segmentation fault" from a real memory fault (not a signal sent by kill),
-    and its backtrace has a frame inside MPI_Init, or no frame beyond the C library."""
+    """Where a launch's output shows Open MPI's start-up crash (above), the process that crashed
+    ("host:pid", true); None otherwise. The crash: some process's signal report says "Signal:
+    Segmentation fault" from a real memory fault (not a signal sent by kill), and its backtrace has
+    a frame inside MPI_Init, or no frame beyond the C library."""
     reports = {}
     for who, text in _OPEN_MPI_REPORT_LINE.findall(output):
         reports.setdefault(who, []).append(text)
-    for lines in reports.values():
+    for who, lines in reports.items():
         if not any(t.startswith("Signal: Segmentation fault") for t in lines):
             continue
         codes = [t for t in lines if t.startswith("Signal code:")]
@@ -128,11 +129,11 @@ def open_mpi_start_up_crash(output):
             continue   # sent by kill(): a test's own fault
         frames = [t for t in lines if re.match(r"\[\s*\d+\]", t)]
         if any(_MPI_INIT_FRAME.search(t) for t in frames):
-            return True
+            return who
         if frames and not any(_PROGRAM_FRAME.search(t) or _MPI_INIT_FRAME.search(t) for t in frames) and \
                 all("libc.so" in t for t in frames):
-            return True
-    return False
+            return who
+    return None
 
 
 RETRIED_NOTE = "[tests/mpi_harness] second launch:"
@@ -149,12 +150,11 @@ def retry_on_start_up_crash(launch_once, what):
     (a message printed from the launch's background thread would reach no test's report); the
     first launch's output is its ``first_output``."""
     run = launch_once()
-    if open_mpi_start_up_crash(run.output):
+    crashed = open_mpi_start_up_crash(run.output)
+    if crashed:
         first = run
         _log_event({"retried": what, "time": round(time.time(), 2), "first_timed_out": first.timed_out})
         run = launch_once()
-        crashed = next((w for w, t in _OPEN_MPI_REPORT_LINE.findall(first.output)
-                        if t.startswith("Signal: Segmentation fault")), "?")
         run.output += (f"\n{RETRIED_NOTE} Open MPI crashed a rank inside MPI_Init in the first one "
                        f"(process {crashed}, timed_out={first.timed_out})\n")
         run.first_output = first.output
